@@ -1,0 +1,1 @@
+"""hotloop API stubs generated from protos/ by scripts/gen_protos.py."""

@@ -1,0 +1,276 @@
+"""The asyncio client: ``AsyncClient`` -> ``AsyncModel`` -> ``AsyncSession``.
+
+The twin of ``_client.py`` on ``grpc.aio``, method for method; everything that is not an
+``await`` lives in ``_base.py``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Callable, Sequence
+from types import TracebackType
+from typing import Any
+
+import grpc
+import grpc.aio
+from hotloop.v1 import model_pb2_grpc, session_pb2, session_pb2_grpc
+
+from . import _base
+from ._base import HistoryLike
+from ._errors import HotloopError, NotFound, from_rpc_error
+from ._types import Chunk, ModelInfo, SessionInfo, Settings, Usage
+
+
+class _Stubs:
+    """The channel and its stubs, made on first use inside the running event loop
+    (a ``grpc.aio`` channel belongs to the loop it was created on)."""
+
+    def __init__(self, base: _base.BaseClient) -> None:
+        if base._credentials is None:
+            self.channel: Any = grpc.aio.insecure_channel(base.address, options=base._options)
+        else:
+            self.channel = grpc.aio.secure_channel(base.address, base._credentials, options=base._options)
+        self.sessions = session_pb2_grpc.SessionServiceStub(self.channel)
+        self.models = model_pb2_grpc.ModelServiceStub(self.channel)
+        self.list_applications = self.channel.unary_unary(
+            _base.LIST_APPLICATIONS_METHOD,
+            request_serializer=_base.encode_empty,
+            response_deserializer=_base.decode_application_names,
+        )
+
+
+class AsyncClient:
+    """The asyncio twin of :class:`hotloop_client.Client`, with the same arguments.
+
+    Use ``async with AsyncClient(...)`` or ``await client.close()``. The channel opens on
+    the first call, so the client may be constructed outside the event loop.
+    """
+
+    def __init__(
+        self,
+        address: str,
+        *,
+        token: str | None = None,
+        tls: bool = False,
+        root_certificates: bytes | None = None,
+        timeout: float | None = None,
+        retry_delay: float = 0.1,
+        options: Sequence[tuple[str, Any]] = (),
+    ) -> None:
+        self._base = _base.BaseClient(
+            address,
+            token=token,
+            tls=tls,
+            root_certificates=root_certificates,
+            timeout=timeout,
+            retry_delay=retry_delay,
+            options=options,
+        )
+        self._lazy: _Stubs | None = None
+
+    @property
+    def _stubs(self) -> _Stubs:
+        if self._lazy is None:
+            self._lazy = _Stubs(self._base)
+        return self._lazy
+
+    async def _unary(
+        self, method: Callable[..., Any], request: Any, application: str | None, timeout: float | None
+    ) -> Any:
+        """One unary call, retried once after a replica failure, errors translated."""
+        deadline = self._base.deadline(timeout)
+        attempt = 1
+        while True:
+            try:
+                return await method(request, metadata=self._base.metadata(application), timeout=deadline.remaining())
+            except grpc.RpcError as exc:
+                if not _base.should_retry_unary(exc, attempt):
+                    raise from_rpc_error(exc) from exc
+            attempt += 1
+            await asyncio.sleep(self._base.retry_delay)
+
+    @property
+    def address(self) -> str:
+        return self._base.address
+
+    async def application_names(self, *, timeout: float | None = None) -> list[str]:
+        """The Ray Serve applications behind the proxy (one per served model)."""
+        names: list[str] = await self._unary(self._stubs.list_applications, b"", None, timeout)
+        return names
+
+    async def list_models(self, *, timeout: float | None = None) -> list[ModelInfo]:
+        """Every model the server serves (see :meth:`hotloop_client.Client.list_models`)."""
+        application: str | None = None
+        try:
+            names = await self.application_names(timeout=timeout)
+        except HotloopError as exc:
+            if exc.code != grpc.StatusCode.UNIMPLEMENTED:
+                raise
+        else:
+            if not names:
+                return []
+            application = names[0]
+        response = await self._unary(self._stubs.models.ListModels, _base.list_models_request(), application, timeout)
+        return [_base.model_info_from_proto(m) for m in response.models]
+
+    def model(self, name: str) -> AsyncModel:
+        """A handle on one served model (no call is made until you use it)."""
+        return AsyncModel(self, name)
+
+    async def close(self) -> None:
+        """Close the channel; sessions are not closed on the server (they expire there)."""
+        if self._lazy is not None:
+            await self._lazy.channel.close()
+            self._lazy = None
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.close()
+
+    def __repr__(self) -> str:
+        return repr(self._base)
+
+
+class AsyncModel:
+    """One served model; every call it makes is routed to the Ray Serve app of that name."""
+
+    def __init__(self, client: AsyncClient, name: str) -> None:
+        if not name:
+            raise ValueError("model name is empty")
+        self._client = client
+        self.name = name
+
+    async def info(self, *, timeout: float | None = None) -> ModelInfo:
+        """The model's architecture, context length, quantization, replicas (GetModel)."""
+        client = self._client
+        pb = await client._unary(client._stubs.models.GetModel, _base.get_model_request(self.name), self.name, timeout)
+        return _base.model_info_from_proto(pb)
+
+    async def tokenize(self, text: str, *, add_special: bool = False, timeout: float | None = None) -> list[int]:
+        """Token ids of ``text`` under the model's vocabulary."""
+        client = self._client
+        request = _base.tokenize_request(self.name, text, add_special)
+        pb = await client._unary(client._stubs.models.Tokenize, request, self.name, timeout)
+        return list(pb.tokens)
+
+    async def new_session(self, settings: Settings | None = None, *, timeout: float | None = None) -> AsyncSession:
+        """Create a session (a conversation whose KV cache stays hot between turns)."""
+        client = self._client
+        settings = settings or Settings()
+        request = _base.create_session_request(self.name, settings, _base.new_session_key())
+        pb = await client._unary(client._stubs.sessions.CreateSession, request, self.name, timeout)
+        state = _base.SessionState(id=pb.id, model=self.name, settings=settings)
+        state.apply(pb, settings)
+        return AsyncSession(client, state)
+
+    def __repr__(self) -> str:
+        return f"<AsyncModel {self.name!r} at {self._client.address}>"
+
+
+class AsyncSession:
+    """The asyncio twin of :class:`hotloop_client.Session`; ``async with`` closes it."""
+
+    def __init__(self, client: AsyncClient, state: _base.SessionState) -> None:
+        self._client = client
+        self._state = state
+
+    @property
+    def id(self) -> str:
+        return self._state.id
+
+    @property
+    def model(self) -> str:
+        return self._state.model
+
+    @property
+    def settings(self) -> Settings:
+        """The settings sent with every request of this session."""
+        return self._state.settings
+
+    async def _call(self, method: Callable[..., Any], request: Any, timeout: float | None) -> Any:
+        return await self._client._unary(method, request, self._state.model, timeout)
+
+    def generate(
+        self, history: HistoryLike, *, timeout: float | None = None, **overrides: Any
+    ) -> AsyncIterator[Chunk]:
+        """Stream the reply to ``history``; use with ``async for``.
+
+        Same contract as :meth:`hotloop_client.Session.generate`. ``aclose()`` on the
+        iterator, or cancelling the task iterating it, cancels the call on the server.
+        """
+        request = self._state.generate_request(history, overrides)
+        return self._stream(request, timeout)
+
+    async def _stream(self, request: Any, timeout: float | None) -> AsyncIterator[Chunk]:
+        client = self._client
+        deadline = client._base.deadline(timeout)
+        progress = _base.StreamProgress()
+        while True:
+            call = client._stubs.sessions.Generate(
+                request, metadata=client._base.metadata(self._state.model), timeout=deadline.remaining()
+            )
+            try:
+                async for pb in call:
+                    chunk = _base.chunk_from_proto(pb)
+                    progress.delivered(chunk)
+                    yield chunk
+                return
+            except grpc.RpcError as exc:
+                if not progress.should_retry(exc):
+                    raise progress.error(exc) from exc
+            finally:
+                # Frees the server's slot at once on aclose(), task cancel or error.
+                call.cancel()
+            await asyncio.sleep(client._base.retry_delay)
+
+    async def warmup(self, history: HistoryLike, *, timeout: float | None = None) -> Usage:
+        """Prefill ``history`` (e.g. a system prompt) into the cache without generating."""
+        pb = await self._call(self._client._stubs.sessions.Warmup, self._state.warmup_request(history), timeout)
+        return _base.usage_from_proto(pb.usage)
+
+    async def info(self, *, timeout: float | None = None) -> SessionInfo:
+        """The server's view of the session (context tokens, state, settings)."""
+        request = session_pb2.GetSessionRequest(session_id=self.id)
+        pb = await self._call(self._client._stubs.sessions.GetSession, request, timeout)
+        return _base.session_info_from_proto(pb)
+
+    async def context(self, *, timeout: float | None = None) -> int:
+        """Tokens held in the session's KV cache on the server."""
+        return (await self.info(timeout=timeout)).context_tokens
+
+    async def set_settings(self, settings: Settings, *, timeout: float | None = None) -> Settings:
+        """Replace the session's settings (unset fields take the server's defaults)."""
+        request = session_pb2.UpdateSettingsRequest(session_id=self.id, settings=_base.settings_to_proto(settings))
+        pb = await self._call(self._client._stubs.sessions.UpdateSettings, request, timeout)
+        self._state.apply(pb, settings)
+        return self._state.settings
+
+    async def clear_cache(self, *, timeout: float | None = None) -> None:
+        """Drop the session's KV cache; the next turn prefills its history from scratch."""
+        request = session_pb2.ClearCacheRequest(session_id=self.id)
+        await self._call(self._client._stubs.sessions.ClearCache, request, timeout)
+
+    async def close(self, *, timeout: float | None = None) -> None:
+        """Free the session on the server. Idempotent; a session already gone is fine."""
+        if self._state.closed:
+            return
+        with contextlib.suppress(NotFound):  # the server forgot it already: closed is closed
+            request = session_pb2.CloseSessionRequest(session_id=self.id)
+            await self._call(self._client._stubs.sessions.CloseSession, request, timeout)
+        self._state.closed = True
+
+    async def __aenter__(self) -> AsyncSession:
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.close()
+
+    def __repr__(self) -> str:
+        return repr(self._state).replace("<Session", "<AsyncSession", 1)

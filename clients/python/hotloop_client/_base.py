@@ -1,0 +1,467 @@
+"""Everything the sync and asyncio clients share that does no I/O.
+
+``Client`` and ``AsyncClient`` (and their ``Model``/``Session`` twins) differ only in how
+they call the stubs; the wire contract lives here once so the twins cannot drift apart:
+
+* proto <-> dataclass conversions (one function per direction),
+* the metadata every call sends (``application`` for Ray Serve's proxy, the bearer
+  token, W3C trace context),
+* which failures are retried and how a broken stream is reported (:class:`StreamProgress`),
+* the routing key a new session is created with,
+* decoding the Ray Serve proxy's ``ListApplications`` reply without importing Ray.
+"""
+
+from __future__ import annotations
+
+import re
+import secrets
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+from hotloop.v1 import common_pb2, model_pb2, session_pb2
+
+from ._errors import HotloopError, TurnInterrupted, from_rpc_error, status_of
+from ._types import (
+    Chunk,
+    FinishReason,
+    Message,
+    ModelInfo,
+    Role,
+    ServedBy,
+    SessionInfo,
+    Settings,
+    Timings,
+    Usage,
+)
+
+# --------------------------------------------------------------------------- routing
+
+LIST_APPLICATIONS_METHOD = "/ray.serve.RayServeAPIService/ListApplications"
+"""Ray Serve's own RPC on its gRPC proxy; it needs no ``application`` metadata."""
+
+SESSION_KEY_PATTERN = re.compile(r"^[A-Za-z0-9_-]{8,64}$")
+
+
+def new_session_key() -> str:
+    """A fresh routing key for ``CreateSessionRequest.session_key``.
+
+    Chosen client-side so the session's identity exists before routing: the router hashes
+    it, so CreateSession lands on the replica that will serve every later call (22 chars of
+    ``[A-Za-z0-9_-]``, 128 random bits, so keys never collide in practice).
+    """
+    return secrets.token_urlsafe(16)
+
+
+def encode_empty(_request: object) -> bytes:
+    """Serializer for ``ListApplicationsRequest``, which has no fields."""
+    return b""
+
+
+def _read_varint(data: bytes, pos: int) -> tuple[int, int]:
+    result = 0
+    shift = 0
+    while True:
+        if pos >= len(data):
+            raise ValueError("truncated varint")
+        byte = data[pos]
+        pos += 1
+        result |= (byte & 0x7F) << shift
+        if not byte & 0x80:
+            return result, pos
+        shift += 7
+        if shift > 63:
+            raise ValueError("varint too long")
+
+
+def decode_application_names(data: bytes) -> list[str]:
+    """Decode Ray Serve's ``ListApplicationsResponse`` (field 1: ``repeated string
+    application_names``) by hand, skipping any other field.
+
+    A dozen lines of wire format keep the SDK free of Ray (hundreds of MB) just to read one
+    list of strings.
+    """
+    names: list[str] = []
+    pos = 0
+    while pos < len(data):
+        key, pos = _read_varint(data, pos)
+        field_number, wire_type = key >> 3, key & 0x7
+        if wire_type == 0:  # varint
+            _, pos = _read_varint(data, pos)
+        elif wire_type == 1:  # fixed64
+            pos += 8
+        elif wire_type == 2:  # length-delimited
+            length, pos = _read_varint(data, pos)
+            if pos + length > len(data):
+                raise ValueError("truncated field")
+            if field_number == 1:
+                names.append(data[pos : pos + length].decode("utf-8"))
+            pos += length
+        elif wire_type == 5:  # fixed32
+            pos += 4
+        else:
+            raise ValueError(f"unsupported wire type {wire_type}")
+        if pos > len(data):
+            raise ValueError("truncated field")
+    return names
+
+
+# --------------------------------------------------------------------------- metadata
+
+
+def trace_metadata() -> list[tuple[str, str]]:
+    """W3C trace context of the caller's current span, if OpenTelemetry is installed.
+
+    Imported lazily (and optional) so the SDK keeps two dependencies; the server joins its
+    spans to the caller's trace through these headers.
+    """
+    try:
+        from opentelemetry import propagate, trace
+    except ImportError:  # pragma: no cover - depends on the environment
+        return []
+    if not trace.get_current_span().get_span_context().is_valid:
+        return []
+    carrier: dict[str, str] = {}
+    propagate.inject(carrier)
+    # gRPC metadata keys must be lowercase.
+    return [(key.lower(), value) for key, value in carrier.items()]
+
+
+def call_metadata(application: str | None, token: str | None) -> tuple[tuple[str, str], ...]:
+    """The metadata of one call.
+
+    ``application`` is how Ray Serve's gRPC proxy picks the app, and each model is its own
+    app named after the model; the bearer token and trace context ride along.
+    """
+    md: list[tuple[str, str]] = []
+    if application:
+        md.append(("application", application))
+    if token:
+        md.append(("authorization", f"Bearer {token}"))
+    md.extend(trace_metadata())
+    return tuple(md)
+
+
+# --------------------------------------------------------------------------- retries
+
+MAX_ATTEMPTS = 2
+"""One try plus one automatic retry: enough to step over a dead replica without hiding an
+outage behind a retry loop."""
+
+_ACTOR_DIED_MARKERS = ("actor died", "actordiederror", "rayactorerror", "replica")
+
+
+def is_failover(code: grpc.StatusCode, details: str) -> bool:
+    """Whether a failure means "the replica went away", so the same request may be re-sent.
+
+    UNAVAILABLE is the transport's word for it; Ray Serve's proxy reports a replica that
+    died mid-request as INTERNAL with the Ray exception's text, so INTERNAL counts only
+    when its details say so (a genuine server bug must not be retried silently).
+    """
+    if code == grpc.StatusCode.UNAVAILABLE:
+        return True
+    if code == grpc.StatusCode.INTERNAL:
+        lowered = details.lower()
+        return any(marker in lowered for marker in _ACTOR_DIED_MARKERS)
+    return False
+
+
+class Deadline:
+    """A call's overall deadline, shared by its attempts so a retry cannot double it."""
+
+    __slots__ = ("_at",)
+
+    def __init__(self, timeout: float | None) -> None:
+        self._at = None if timeout is None else time.monotonic() + timeout
+
+    def remaining(self) -> float | None:
+        """Seconds left for the next attempt (gRPC's ``timeout=``), ``None`` for no limit."""
+        if self._at is None:
+            return None
+        return max(self._at - time.monotonic(), 0.0)
+
+
+class StreamProgress:
+    """The state of one Generate turn across its attempts.
+
+    Before any text reached the caller, a failover error is invisible to them: re-send the
+    request. After text was delivered, a silent retry would repeat or contradict it, so the
+    caller gets :class:`TurnInterrupted` with what they already have.
+    """
+
+    __slots__ = ("attempts", "parts")
+
+    def __init__(self) -> None:
+        self.attempts = 1
+        self.parts: list[str] = []
+
+    def delivered(self, chunk: Chunk) -> None:
+        """Record a chunk just handed to the caller."""
+        if chunk.text:
+            self.parts.append(chunk.text)
+
+    def should_retry(self, exc: BaseException) -> bool:
+        """Whether to start another attempt after ``exc`` (and count it)."""
+        code, details = status_of(exc)
+        if self.parts or self.attempts >= MAX_ATTEMPTS or not is_failover(code, details):
+            return False
+        self.attempts += 1
+        return True
+
+    def error(self, exc: BaseException) -> HotloopError:
+        """The SDK error to raise for ``exc`` when not retrying."""
+        code, details = status_of(exc)
+        if self.parts and is_failover(code, details):
+            return TurnInterrupted(details, "".join(self.parts), code)
+        return from_rpc_error(exc)
+
+
+def should_retry_unary(exc: BaseException, attempt: int) -> bool:
+    """Unary RPCs are idempotent, so a failover error is retried once."""
+    return attempt < MAX_ATTEMPTS and is_failover(*status_of(exc))
+
+
+# --------------------------------------------------------------------------- conversions
+
+_ROLE_TO_PROTO = {
+    Role.SYSTEM: common_pb2.ROLE_SYSTEM,
+    Role.USER: common_pb2.ROLE_USER,
+    Role.ASSISTANT: common_pb2.ROLE_ASSISTANT,
+}
+_FINISH_FROM_PROTO = {
+    common_pb2.FINISH_REASON_EOS: FinishReason.EOS,
+    common_pb2.FINISH_REASON_LENGTH: FinishReason.LENGTH,
+    common_pb2.FINISH_REASON_STOP: FinishReason.STOP,
+    common_pb2.FINISH_REASON_CONTEXT: FinishReason.CONTEXT,
+}
+_OPTIONAL_SETTINGS = (
+    "temperature",
+    "sample_len",
+    "seed",
+    "top_p",
+    "top_k",
+    "repeat_penalty",
+    "repeat_last_n",
+    "min_p",
+    "truncate_history",
+)
+_FLOAT32_SETTINGS = frozenset({"temperature", "top_p", "repeat_penalty", "min_p"})
+
+HistoryLike = Sequence[Message] | Sequence[tuple[str, str]] | Sequence[Message | tuple[str, str]]
+"""A conversation: ``Message``s, or ``(role, content)`` pairs such as ``("user", "hi")``."""
+
+
+def as_messages(history: Iterable[Message | tuple[str, str]]) -> list[Message]:
+    """Normalise a history to ``Message``s; a bad role raises ``ValueError`` before any RPC."""
+    messages: list[Message] = []
+    for item in history:
+        if isinstance(item, Message):
+            messages.append(item)
+        else:
+            role, content = item
+            messages.append(Message(Role(role) if isinstance(role, Role) else Role(str(role).lower()), content))
+    return messages
+
+
+def messages_to_proto(history: Iterable[Message | tuple[str, str]]) -> list[Any]:
+    """``Message``s (or pairs) as ``hotloop.v1.Message`` protos."""
+    return [common_pb2.Message(role=_ROLE_TO_PROTO[m.role], content=m.content) for m in as_messages(history)]
+
+
+def settings_to_proto(settings: Settings) -> Any:
+    """``Settings`` as ``hotloop.v1.Settings``: unset fields stay absent on the wire."""
+    pb = common_pb2.Settings()
+    for name in _OPTIONAL_SETTINGS:
+        value = getattr(settings, name)
+        if value is not None:
+            setattr(pb, name, value)
+    if settings.stop:
+        pb.stop.extend(settings.stop)
+    return pb
+
+
+def settings_from_proto(pb: Any) -> Settings:
+    """``hotloop.v1.Settings`` as ``Settings``.
+
+    Float fields are float32 on the wire; they are rounded to float32's precision so that
+    ``Settings(temperature=0.7)`` survives a round trip equal to itself.
+    """
+    values: dict[str, Any] = {}
+    for name in _OPTIONAL_SETTINGS:
+        if pb.HasField(name):
+            value = getattr(pb, name)
+            values[name] = float(f"{value:.7g}") if name in _FLOAT32_SETTINGS else value
+    if pb.stop:
+        values["stop"] = tuple(pb.stop)
+    return Settings(**values)
+
+
+def usage_from_proto(pb: Any) -> Usage:
+    return Usage(
+        prompt_tokens=pb.prompt_tokens,
+        cached_tokens=pb.cached_tokens,
+        restored_tokens=pb.restored_tokens,
+        prefilled_tokens=pb.prefilled_tokens,
+        completion_tokens=pb.completion_tokens,
+    )
+
+
+def timings_from_proto(pb: Any) -> Timings:
+    return Timings(
+        queue_ms=pb.queue_ms,
+        prefill_ms=pb.prefill_ms,
+        time_to_first_token_ms=pb.time_to_first_token_ms,
+        decode_ms=pb.decode_ms,
+    )
+
+
+def served_by_from_proto(pb: Any) -> ServedBy:
+    return ServedBy(replica=pb.replica, replica_rank=pb.replica_rank, cache_hit=pb.cache_hit)
+
+
+def chunk_from_proto(pb: Any) -> Chunk:
+    """``GenerateChunk`` as ``Chunk``; the last-chunk fields are ``None`` when absent."""
+    return Chunk(
+        text=pb.text,
+        finish_reason=_FINISH_FROM_PROTO.get(pb.finish_reason),
+        usage=usage_from_proto(pb.usage) if pb.HasField("usage") else None,
+        timings=timings_from_proto(pb.timings) if pb.HasField("timings") else None,
+        served_by=served_by_from_proto(pb.served_by) if pb.HasField("served_by") else None,
+    )
+
+
+def model_info_from_proto(pb: Any) -> ModelInfo:
+    return ModelInfo(
+        name=pb.name,
+        architecture=pb.architecture,
+        context_length=pb.context_length,
+        train_context_length=pb.train_context_length,
+        quantization=pb.quantization,
+        has_chat_template=pb.has_chat_template,
+        chat_template_source=pb.chat_template_source,
+        parameters=pb.parameters,
+        size_bytes=pb.size_bytes,
+        vocab_size=pb.vocab_size,
+        replicas=pb.replicas,
+    )
+
+
+def session_info_from_proto(pb: Any) -> SessionInfo:
+    return SessionInfo(
+        id=pb.id,
+        model=pb.model,
+        settings=settings_from_proto(pb.settings),
+        context_tokens=pb.context_tokens,
+        state=pb.state,
+        served_by=served_by_from_proto(pb.served_by) if pb.HasField("served_by") else None,
+    )
+
+
+# --------------------------------------------------------------------------- client state
+
+
+def channel_credentials(tls: bool, root_certificates: bytes | None) -> Any:
+    """TLS credentials for the channel, or ``None`` for plaintext.
+
+    Giving ``root_certificates`` implies TLS: asking to trust a CA over plaintext is a
+    configuration mistake, not a request for plaintext.
+    """
+    if not tls and root_certificates is None:
+        return None
+    return grpc.ssl_channel_credentials(root_certificates=root_certificates)
+
+
+class BaseClient:
+    """Connection settings and call plumbing shared by ``Client`` and ``AsyncClient``."""
+
+    def __init__(
+        self,
+        address: str,
+        *,
+        token: str | None = None,
+        tls: bool = False,
+        root_certificates: bytes | None = None,
+        timeout: float | None = None,
+        retry_delay: float = 0.1,
+        options: Sequence[tuple[str, Any]] = (),
+    ) -> None:
+        if not address:
+            raise ValueError("address must be host:port")
+        self.address = address
+        self.timeout = timeout
+        self.retry_delay = retry_delay
+        self._token = token
+        self._credentials = channel_credentials(tls, root_certificates)
+        self._options = list(options)
+
+    def metadata(self, application: str | None) -> tuple[tuple[str, str], ...]:
+        return call_metadata(application, self._token)
+
+    def deadline(self, timeout: float | None) -> Deadline:
+        """A per-call ``timeout`` wins over the client's default."""
+        return Deadline(timeout if timeout is not None else self.timeout)
+
+    def __repr__(self) -> str:
+        tls = "tls" if self._credentials is not None else "plaintext"
+        return f"<{type(self).__name__} {self.address} ({tls})>"
+
+
+@dataclass(slots=True)
+class SessionState:
+    """What a session object knows locally: its server id, model and current settings.
+
+    The settings are kept here and sent with every request, because the server's session is
+    a cache that may be rebuilt on another replica that never saw CreateSession.
+    """
+
+    id: str
+    model: str
+    settings: Settings
+    closed: bool = False
+
+    def apply(self, pb: Any, sent: Settings) -> None:
+        """Adopt the settings the server reports (every field filled in), else what we sent."""
+        if pb.HasField("settings"):
+            reported = settings_from_proto(pb.settings)
+            if reported != Settings():
+                self.settings = reported
+                return
+        self.settings = sent
+
+    def turn_settings(self, overrides: dict[str, Any]) -> Settings:
+        """The session's settings with per-turn keyword overrides (unknown names: TypeError)."""
+        return self.settings.merged(Settings(**overrides)) if overrides else self.settings
+
+    def generate_request(self, history: HistoryLike, overrides: dict[str, Any]) -> Any:
+        messages = messages_to_proto(history)
+        if not messages:
+            raise ValueError("history is empty: send at least one message")
+        return session_pb2.GenerateRequest(
+            session_id=self.id, messages=messages, settings=settings_to_proto(self.turn_settings(overrides))
+        )
+
+    def warmup_request(self, history: HistoryLike) -> Any:
+        return session_pb2.WarmupRequest(
+            session_id=self.id, messages=messages_to_proto(history), settings=settings_to_proto(self.settings)
+        )
+
+    def __repr__(self) -> str:
+        return f"<Session {self.id} model={self.model!r}{' closed' if self.closed else ''}>"
+
+
+def create_session_request(model: str, settings: Settings, key: str) -> Any:
+    return session_pb2.CreateSessionRequest(model=model, settings=settings_to_proto(settings), session_key=key)
+
+
+def list_models_request() -> Any:
+    return model_pb2.ListModelsRequest()
+
+
+def get_model_request(model: str) -> Any:
+    return model_pb2.GetModelRequest(model=model)
+
+
+def tokenize_request(model: str, text: str, add_special: bool) -> Any:
+    return model_pb2.TokenizeRequest(model=model, text=text, add_special=add_special)

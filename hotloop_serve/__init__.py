@@ -1,0 +1,1 @@
+"""hotloop-serve: GGUF chat models over gRPC on Ray Serve, with sessions whose KV caches stay hot."""

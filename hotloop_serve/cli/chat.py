@@ -1,0 +1,381 @@
+"""``hotloop chat``: a streaming terminal chat on the Python SDK.
+
+It is also the SDK's first user, so it only touches the public ``hotloop_client`` API:
+the history lives here (as in hot-loop) and is sent whole each turn; the server's session
+only keeps it hot. ``run_chat`` is the entry point other CLIs (``hotloop-serve start``)
+call once their server is up; ``main`` is the ``hotloop`` console script.
+
+Input may be piped (``printf 'hi\\n/quit\\n' | hotloop``): lines are then read from stdin
+and echoed, so a transcript reads like a session and tests can drive it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from hotloop_client import (
+    Chunk,
+    Client,
+    HotloopError,
+    Message,
+    NotFound,
+    Role,
+    Session,
+    Settings,
+    TurnInterrupted,
+    Usage,
+)
+
+DEFAULT_ADDRESS = "localhost:9000"
+
+HELP = """\
+/system <text>         set the system prompt (clears the history, warms the prompt up)
+/set <field> <value>   change a setting; value 'none' restores the server's default
+/settings              show the session's settings
+/clear                 clear the history and the server's cache
+/context               tokens held in the session's KV cache
+/help                  this text
+/quit                  leave (also Ctrl-D; Ctrl-C cancels a reply)"""
+
+ReadLine = Callable[[], str]
+"""Returns the next input line; raises EOFError (or KeyboardInterrupt) to end the chat."""
+
+
+# --------------------------------------------------------------------------- /set values
+
+
+def _parse_bool(value: str) -> bool:
+    lowered = value.lower()
+    if lowered in {"1", "true", "yes", "on"}:
+        return True
+    if lowered in {"0", "false", "no", "off"}:
+        return False
+    raise ValueError(f"expected true/false, got {value!r}")
+
+
+def _parse_stop(value: str) -> tuple[str, ...]:
+    """A JSON list (``["\\n\\n", "END"]``) or one literal string."""
+    if value.startswith("["):
+        parsed = json.loads(value)
+        if not isinstance(parsed, list) or not all(isinstance(s, str) for s in parsed):
+            raise ValueError("stop must be a JSON list of strings")
+        return tuple(parsed)
+    return (value,)
+
+
+_PARSERS: dict[str, Callable[[str], Any]] = {
+    "temperature": float,
+    "sample_len": int,
+    "seed": int,
+    "top_p": float,
+    "top_k": int,
+    "repeat_penalty": float,
+    "repeat_last_n": int,
+    "stop": _parse_stop,
+    "min_p": float,
+    "truncate_history": _parse_bool,
+}
+_UNSET = {"none", "default", "random", "unset"}
+
+
+def parse_setting(name: str, value: str) -> tuple[str, Any]:
+    """``/set`` arguments as a ``Settings`` field and value (``None`` = server default).
+
+    Raises ``ValueError`` with a message fit for the user.
+    """
+    field = name.strip().lower().replace("-", "_")
+    if field not in _PARSERS:
+        raise ValueError(f"unknown setting {name!r}; one of: {', '.join(_PARSERS)}")
+    if value.strip().lower() in _UNSET:
+        return field, None
+    try:
+        return field, _PARSERS[field](value.strip())
+    except (ValueError, json.JSONDecodeError) as exc:
+        raise ValueError(f"bad value for {field}: {exc}") from exc
+
+
+def stats_line(usage: Usage | None, chunk: Chunk | None) -> str:
+    """The dim line after each reply: what was generated, what the cache saved, how fast."""
+    if usage is None:
+        return ""
+    parts = [
+        f"{usage.completion_tokens} tokens",
+        f"prompt {usage.prompt_tokens} ({usage.cached_tokens} cached)",
+    ]
+    timings = chunk.timings if chunk else None
+    if timings is not None:
+        # decode_ms spans first to last token: n tokens, n - 1 intervals.
+        if usage.completion_tokens > 1 and timings.decode_ms > 0:
+            parts.append(f"{(usage.completion_tokens - 1) / (timings.decode_ms / 1000):.1f} tok/s")
+        parts.append(f"TTFT {timings.time_to_first_token_ms:.0f} ms")
+    served_by = chunk.served_by if chunk else None
+    if served_by is not None and served_by.replica:
+        parts.append(f"replica {served_by.replica}{' (cache hit)' if served_by.cache_hit else ''}")
+    return " · ".join(parts)
+
+
+# --------------------------------------------------------------------------- the chat loop
+
+
+class Chat:
+    """One conversation: the history, the session that keeps it hot, and the commands."""
+
+    def __init__(self, session: Session, console: Console, system: str | None = None) -> None:
+        self.session = session
+        self.console = console
+        self.system = system
+        self.history: list[Message] = []
+
+    # -- conversation -----------------------------------------------------------------
+
+    def prompt_messages(self) -> list[Message]:
+        system = [Message(Role.SYSTEM, self.system)] if self.system else []
+        return system + self.history
+
+    def warm_system(self) -> None:
+        """Prefill the system prompt so the first turn only computes the user's message."""
+        if not self.system:
+            return
+        usage = self.session.warmup([Message(Role.SYSTEM, self.system)])
+        self.console.print(f"system prompt warmed up ({usage.prompt_tokens} tokens)", style="dim")
+
+    def turn(self, text: str) -> None:
+        """Send one user message and stream the reply; the history grows only on success."""
+        messages = [*self.prompt_messages(), Message(Role.USER, text)]
+        for attempt in (1, 2):
+            try:
+                reply, last = self._stream(messages)
+            except KeyboardInterrupt:
+                self.console.print("\n[cancelled]", style="dim", markup=False)
+                return
+            except TurnInterrupted as exc:
+                if attempt == 2:
+                    self._error(exc)
+                    return
+                # The session is a cache: the same history rebuilds it on a live replica.
+                self.console.print("\n[replica lost mid-reply; retrying the turn]", style="yellow", markup=False)
+                continue
+            except HotloopError as exc:
+                self._error(exc)
+                return
+            self.history += [Message(Role.USER, text), Message(Role.ASSISTANT, reply)]
+            line = stats_line(last.usage if last else None, last)
+            if line:
+                self.console.print(line, style="dim", markup=False, highlight=False)
+            return
+
+    def _stream(self, messages: list[Message]) -> tuple[str, Chunk | None]:
+        parts: list[str] = []
+        last: Chunk | None = None
+        self.console.print(f"{self.session.model}> ", style="bold green", end="", markup=False)
+        # closing(): a Ctrl-C anywhere in the loop cancels the RPC at once.
+        with contextlib.closing(self.session.generate(messages)) as stream:  # type: ignore[type-var]
+            for chunk in stream:
+                if chunk.text:
+                    parts.append(chunk.text)
+                    self.console.print(chunk.text, end="", markup=False, highlight=False, soft_wrap=True)
+                last = chunk
+        self.console.print()
+        return "".join(parts), last
+
+    def _error(self, exc: HotloopError) -> None:
+        self.console.print(f"\nerror: {exc}", style="bold red", markup=False, highlight=False)
+
+    # -- commands ---------------------------------------------------------------------
+
+    def command(self, line: str) -> bool:
+        """Run a slash command; False means leave the chat."""
+        name, _, arg = line[1:].partition(" ")
+        arg = arg.strip()
+        name = name.lower()
+        try:
+            if name in {"quit", "exit", "q"}:
+                return False
+            if name == "help":
+                self.console.print(HELP, markup=False, highlight=False)
+            elif name == "system":
+                self._cmd_system(arg)
+            elif name == "set":
+                self._cmd_set(arg)
+            elif name == "settings":
+                self._cmd_settings()
+            elif name == "clear":
+                self.history.clear()
+                self.session.clear_cache()
+                self.console.print("history and cache cleared", style="dim")
+                self.warm_system()
+            elif name == "context":
+                self.console.print(f"{self.session.context()} tokens in the session's cache")
+            else:
+                self.console.print(f"unknown command /{name}; /help lists them", style="yellow", markup=False)
+        except HotloopError as exc:
+            self._error(exc)
+        return True
+
+    def _cmd_system(self, text: str) -> None:
+        if not text:
+            self.console.print(f"system prompt: {self.system!r}" if self.system else "no system prompt", markup=False)
+            return
+        self.system = text
+        self.history.clear()
+        self.console.print("system prompt set; history cleared", style="dim")
+        self.warm_system()
+
+    def _cmd_set(self, arg: str) -> None:
+        name, _, value = arg.partition(" ")
+        if not name or not value.strip():
+            self.console.print("usage: /set <field> <value>   e.g. /set temperature 0.2", style="yellow")
+            return
+        try:
+            field, parsed = parse_setting(name, value)
+        except ValueError as exc:
+            self.console.print(str(exc), style="yellow", markup=False)
+            return
+        settings = self.session.set_settings(dataclasses.replace(self.session.settings, **{field: parsed}))
+        shown = getattr(settings, field)
+        self.console.print(f"{field} = {'default' if shown is None else shown!r}", style="dim", markup=False)
+
+    def _cmd_settings(self) -> None:
+        table = Table(show_header=False, box=None, pad_edge=False)
+        for field in dataclasses.fields(Settings):
+            value = getattr(self.session.settings, field.name)
+            table.add_row(field.name, "(server default)" if value is None else repr(value))
+        self.console.print(table)
+
+    # -- main loop --------------------------------------------------------------------
+
+    def run(self, read_line: ReadLine) -> None:
+        """Read lines until /quit, EOF or Ctrl-C at the prompt."""
+        while True:
+            try:
+                line = read_line().strip()
+            except (EOFError, KeyboardInterrupt):
+                self.console.print()
+                return
+            if not line:
+                continue
+            if line.startswith("/"):
+                if not self.command(line):
+                    return
+                continue
+            self.turn(line)
+
+
+def _stdin_reader(console: Console) -> ReadLine:
+    """Interactive prompt on a TTY; plain lines (echoed) when stdin is piped."""
+    if sys.stdin.isatty():
+        return lambda: console.input("[bold cyan]you>[/] ")
+
+    def read() -> str:
+        line = sys.stdin.readline()
+        if not line:
+            raise EOFError
+        line = line.rstrip("\r\n")
+        console.print(f"you> {line}", markup=False, highlight=False)
+        return line
+
+    return read
+
+
+def run_chat(
+    address: str = DEFAULT_ADDRESS,
+    model: str | None = None,
+    *,
+    token: str | None = None,
+    tls: bool = False,
+    root_certificates: bytes | None = None,
+    system: str | None = None,
+    settings: Settings | None = None,
+    console: Console | None = None,
+    read_line: ReadLine | None = None,
+) -> int:
+    """Chat with ``model`` (default: the server's first) at ``address``; returns an exit code.
+
+    ``read_line`` and ``console`` default to the terminal; pass them to embed or test.
+    """
+    console = console or Console(highlight=False)
+    read_line = read_line or _stdin_reader(console)
+    with Client(address, token=token, tls=tls, root_certificates=root_certificates) as client:
+        try:
+            if model is None:
+                models = client.list_models()
+                if not models:
+                    console.print(f"no models are served at {address}", style="bold red", markup=False)
+                    return 1
+                model = models[0].name
+            session = client.model(model).new_session(settings=settings)
+        except HotloopError as exc:
+            console.print(f"cannot start a chat at {address}: {exc}", style="bold red", markup=False)
+            return 1
+        with contextlib.suppress(HotloopError):
+            with session:
+                console.print(f"chatting with {model} at {address}; /help for commands", style="dim", markup=False)
+                chat = Chat(session, console, system)
+                try:
+                    chat.warm_system()
+                except NotFound as exc:
+                    console.print(f"cannot warm up the system prompt: {exc}", style="bold red", markup=False)
+                    return 1
+                except HotloopError as exc:
+                    chat._error(exc)
+                chat.run(read_line)
+    return 0
+
+
+# --------------------------------------------------------------------------- console script
+
+app = typer.Typer(add_completion=False, help="Streaming terminal chat with a hotloop-serve model.")
+
+
+@app.command()
+def chat(
+    address: Annotated[str, typer.Option(help="host:port of the server's gRPC proxy")] = DEFAULT_ADDRESS,
+    model: Annotated[str | None, typer.Option(help="model to chat with (default: the first served)")] = None,
+    token: Annotated[str | None, typer.Option(envvar="HOTLOOP_TOKEN", help="bearer token")] = None,
+    tls: Annotated[bool, typer.Option(help="connect with TLS")] = False,
+    root_certificates: Annotated[
+        Path | None, typer.Option(exists=True, dir_okay=False, help="PEM file of CAs to trust (implies --tls)")
+    ] = None,
+    system: Annotated[str | None, typer.Option(help="system prompt")] = None,
+    temperature: Annotated[float | None, typer.Option(help="sampling temperature (0 = greedy)")] = None,
+    seed: Annotated[int | None, typer.Option(help="fixed seed for reproducible replies")] = None,
+    sample_len: Annotated[int | None, typer.Option(help="maximum tokens per reply")] = None,
+) -> None:
+    """Chat with a served model; the reply streams as it is generated."""
+    settings = Settings(temperature=temperature, seed=seed, sample_len=sample_len)
+    code = run_chat(
+        address,
+        model,
+        token=token,
+        tls=tls,
+        root_certificates=root_certificates.read_bytes() if root_certificates else None,
+        system=system,
+        settings=settings,
+    )
+    raise typer.Exit(code)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """The ``hotloop`` console script: ``hotloop [chat] [OPTIONS]``.
+
+    ``chat`` is accepted as a first word so ``hotloop chat`` (the documented spelling) and a
+    bare ``hotloop`` both work, leaving room for more subcommands later.
+    """
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args[:1] == ["chat"]:
+        args = args[1:]
+    typer.main.get_command(app).main(args=args, prog_name="hotloop chat")
+
+
+if __name__ == "__main__":
+    main()

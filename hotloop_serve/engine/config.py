@@ -1,0 +1,67 @@
+"""Engine options: how one replica's llama.cpp context is shaped and bounded.
+
+A plain dataclass (the engine imports no pydantic); ``hotloop_serve.config`` embeds it in
+the YAML schema, so the same names appear in the config file, the Helm values and here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+GiB = 1024**3
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """Shape and bounds of one replica's engine. Every bound, when hit, is named in the error."""
+
+    __pydantic_config__: ClassVar[dict[str, str]] = {"extra": "forbid"}
+
+    context_tokens: int = 16384
+    """KV cache cells shared by all hot sessions of the replica (llama.cpp's n_ctx)."""
+    session_context_tokens: int = 8192
+    """Most tokens one session may hold (prompt + reply); capped by the model's training context."""
+    hot_sessions: int = 8
+    """Sessions whose KV stays in the context at once (llama.cpp's n_seq_max); the batch width."""
+    max_sessions: int = 256
+    """Sessions a replica keeps track of (hot, evicted to RAM or dropped)."""
+    evicted_bytes: int = 2 * GiB
+    """Host RAM for evicted sessions' KV state; beyond it the LRU ones are dropped and rebuilt."""
+    max_queue: int = 64
+    """Requests waiting for a sequence; more get RESOURCE_EXHAUSTED at once."""
+    batch_tokens: int = 512
+    """Tokens per llama_decode call (llama.cpp's n_batch / n_ubatch)."""
+    prefill_chunk: int = 128
+    """Prefill tokens per step while other sessions are decoding, so their streams keep flowing."""
+    shared_prefix_min_tokens: int = 16
+    """Shortest common prefix worth copying from another session of the same owner."""
+    threads: int = 0
+    """CPU threads for decoding; 0 = every core of the machine (or of the replica's reservation)."""
+    gpu_layers: int = 0
+    """Layers offloaded to the GPU; -1 = all of them."""
+    idle_ttl_s: float = 3600.0
+    """A session untouched this long is forgotten."""
+    seed: int = 0
+    """Seed of the seed generator for sessions without a fixed seed (0 = from the OS)."""
+
+    def __post_init__(self) -> None:
+        checks = {
+            "context_tokens": self.context_tokens >= 64,
+            "session_context_tokens": 32 <= self.session_context_tokens <= self.context_tokens,
+            "hot_sessions": 1 <= self.hot_sessions <= 256,
+            "max_sessions": self.max_sessions >= self.hot_sessions,
+            "evicted_bytes": self.evicted_bytes >= 0,
+            "max_queue": self.max_queue >= 0,
+            "batch_tokens": 8 <= self.batch_tokens <= 8192 and self.batch_tokens >= self.hot_sessions,
+            "prefill_chunk": 1 <= self.prefill_chunk <= self.batch_tokens,
+            "shared_prefix_min_tokens": self.shared_prefix_min_tokens >= 1,
+            "threads": self.threads >= 0,
+            "gpu_layers": self.gpu_layers >= -1,
+            "idle_ttl_s": self.idle_ttl_s > 0,
+        }
+        bad = [name for name, ok in checks.items() if not ok]
+        if bad:
+            raise ValueError(
+                f"invalid engine option {bad[0]}={getattr(self, bad[0])!r}: see EngineOptions.{bad[0]} for its range"
+            )

@@ -1,0 +1,101 @@
+"""Per-request sampling (llama.cpp's sampler chain) and the text a request streams out.
+
+``Sampler`` owns one llama.cpp sampler chain built from a session's settings: penalties,
+top-k, top-p, min-p, temperature, then a seeded draw (or greedy at temperature 0). The
+draw's RNG lives in the chain, so a fixed seed reproduces a reply whatever else shares the
+batch.
+
+``TextAssembler`` turns sampled tokens into safe text: it never emits half of a UTF-8
+character split across tokens, and it holds back text that might be the start of a stop
+sequence until it knows.
+"""
+
+from __future__ import annotations
+
+import codecs
+import random
+from collections.abc import Sequence
+
+import llama_cpp as ll
+
+from hotloop_serve.engine.settings import SamplingSettings
+
+
+class Sampler:
+    """A llama.cpp sampler chain for one request; free() it when the request ends."""
+
+    __slots__ = ("_chain", "seed")
+
+    def __init__(self, settings: SamplingSettings, n_vocab: int, history: Sequence[int], rng: random.Random) -> None:
+        # llama.cpp seeds are 32-bit; fold a 64-bit user seed so every bit matters.
+        seed = settings.seed if settings.seed is not None else rng.getrandbits(64)
+        self.seed = seed
+        chain = ll.llama_sampler_chain_init(ll.llama_sampler_chain_default_params())
+        add = ll.llama_sampler_chain_add
+        if settings.repeat_penalty != 1.0 and settings.repeat_last_n > 0:
+            add(chain, ll.llama_sampler_init_penalties(n_vocab, settings.repeat_last_n, settings.repeat_penalty, 0, 0))
+        if settings.greedy:
+            add(chain, ll.llama_sampler_init_greedy())
+        else:
+            if settings.top_k > 0:
+                add(chain, ll.llama_sampler_init_top_k(settings.top_k))
+            if settings.top_p < 1.0:
+                add(chain, ll.llama_sampler_init_top_p(settings.top_p, 1))
+            if settings.min_p > 0.0:
+                add(chain, ll.llama_sampler_init_min_p(settings.min_p, 1))
+            add(chain, ll.llama_sampler_init_temp(settings.temperature))
+            add(chain, ll.llama_sampler_init_dist((seed ^ (seed >> 32)) & 0xFFFFFFFF))
+        # The repeat penalty looks at the conversation, not only at this reply.
+        if settings.repeat_penalty != 1.0:
+            for tok in history[-settings.repeat_last_n :] if settings.repeat_last_n else ():
+                ll.llama_sampler_accept(chain, tok)
+        self._chain = chain
+
+    def sample(self, ctx: ll.llama_context_p, output_index: int) -> int:
+        """Sample (and accept) a token from the logits at ``output_index`` of the last decode."""
+        return int(ll.llama_sampler_sample(self._chain, ctx, output_index))
+
+    def free(self) -> None:
+        if self._chain is not None:
+            ll.llama_sampler_free(self._chain)
+            self._chain = None
+
+
+class TextAssembler:
+    """Bytes of tokens in, text safe to stream out (UTF-8 whole, stop sequences held back)."""
+
+    __slots__ = ("_decoder", "_held", "_stops", "_window", "stopped")
+
+    def __init__(self, stops: Sequence[str]) -> None:
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._stops = tuple(stops)
+        self._window = max((len(s) for s in self._stops), default=0)
+        self._held = ""
+        self.stopped = False
+
+    def feed(self, data: bytes) -> str:
+        """Add one token's bytes; return the text that can be released now."""
+        text = self._held + self._decoder.decode(data)
+        if not self._stops:
+            self._held = ""
+            return text
+        cut = min((i for i in (text.find(s) for s in self._stops) if i >= 0), default=-1)
+        if cut >= 0:
+            self.stopped = True
+            self._held = ""
+            return text[:cut]
+        # Hold back the longest tail that is a prefix of some stop sequence.
+        keep = 0
+        for n in range(min(len(text), self._window - 1), 0, -1):
+            tail = text[-n:]
+            if any(s.startswith(tail) for s in self._stops):
+                keep = n
+                break
+        self._held = text[len(text) - keep :] if keep else ""
+        return text[: len(text) - keep]
+
+    def flush(self) -> str:
+        """The rest, when the reply ends for another reason than a stop sequence."""
+        text = self._held + self._decoder.decode(b"", final=True)
+        self._held = ""
+        return text

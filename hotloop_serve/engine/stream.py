@@ -1,0 +1,171 @@
+"""What a caller reads from a request: chunks handed over from the scheduler thread.
+
+The scheduler thread only appends (never blocks on a reader); readers on other threads
+iterate synchronously, readers on an event loop iterate asynchronously. A reader that
+stops early (break, task cancel, a client gone) cancels the request, which leaves the
+batch at the next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass, field
+
+from hotloop_serve.errors import HotloopError
+
+
+@dataclass(slots=True)
+class Usage:
+    """Where a request's prompt tokens came from, and how many it generated."""
+
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    restored_tokens: int = 0
+    prefilled_tokens: int = 0
+    completion_tokens: int = 0
+
+
+@dataclass(slots=True)
+class Timings:
+    """Milliseconds spent waiting for a sequence, prefilling, to the first token, decoding."""
+
+    queue_ms: float = 0.0
+    prefill_ms: float = 0.0
+    time_to_first_token_ms: float = 0.0
+    decode_ms: float = 0.0
+
+
+@dataclass(slots=True)
+class Chunk:
+    """Streamed text; the last chunk of a request carries finish_reason, usage and timings."""
+
+    text: str = ""
+    finish_reason: str | None = None
+    usage: Usage | None = None
+    timings: Timings | None = None
+    cache_hit: bool = False
+    extra: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def final(self) -> bool:
+        return self.finish_reason is not None
+
+
+class RequestStream:
+    """A one-producer queue of chunks (or one error) with sync and async readers."""
+
+    __slots__ = ("_cancel", "_cond", "_done", "_event", "_items", "_loop", "finished")
+
+    def __init__(self, cancel: Callable[[], None]) -> None:
+        self._items: deque[Chunk | HotloopError] = deque()
+        self._cond = threading.Condition()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._event: asyncio.Event | None = None
+        self._cancel = cancel
+        self._done = False
+        self.finished = False
+
+    # -- producer side (scheduler thread) --
+    def put(self, item: Chunk | HotloopError) -> None:
+        with self._cond:
+            if self._done:
+                return
+            self._items.append(item)
+            if isinstance(item, HotloopError) or item.final:
+                self._done = True
+            self._cond.notify()
+            loop, event = self._loop, self._event
+        if loop is not None and event is not None:
+            try:
+                loop.call_soon_threadsafe(event.set)
+            except RuntimeError:  # the reader's loop is closed: nobody is listening
+                pass
+
+    # -- consumer side --
+    def cancel(self) -> None:
+        """Stop the request (idempotent); the scheduler drops it at its next step."""
+        if not self.finished:
+            self._cancel()
+
+    def _take(self) -> list[Chunk | HotloopError]:
+        items = list(self._items)
+        self._items.clear()
+        return items
+
+    @staticmethod
+    def _merge(items: list[Chunk | HotloopError]) -> Chunk | HotloopError:
+        """Coalesce what arrived since the last read: one chunk per read keeps RPC overhead per read, not per token."""
+        for item in items:
+            if isinstance(item, HotloopError):
+                return item
+        chunks = [c for c in items if isinstance(c, Chunk)]
+        if len(chunks) == 1:
+            return chunks[0]
+        last = chunks[-1]
+        last.text = "".join(c.text for c in chunks)
+        return last
+
+    def __iter__(self) -> Iterator[Chunk]:
+        try:
+            while True:
+                with self._cond:
+                    while not self._items:
+                        self._cond.wait()
+                    item = self._merge(self._take())
+                if isinstance(item, HotloopError):
+                    self.finished = True
+                    raise item
+                if item.final:
+                    self.finished = True
+                yield item
+                if item.final:
+                    return
+        finally:
+            self.cancel()
+
+    async def __aiter__(self) -> AsyncIterator[Chunk]:
+        event = asyncio.Event()
+        with self._cond:
+            self._loop, self._event = asyncio.get_running_loop(), event
+        try:
+            while True:
+                with self._cond:
+                    items = self._take()
+                    if not items:
+                        event.clear()
+                if not items:
+                    await event.wait()
+                    continue
+                item = self._merge(items)
+                if isinstance(item, HotloopError):
+                    self.finished = True
+                    raise item
+                if item.final:
+                    self.finished = True
+                yield item
+                if item.final:
+                    return
+        finally:
+            self.cancel()
+
+    def result(self) -> Chunk:
+        """Wait for the end and return the final chunk, text joined (for warmup and tests)."""
+        text: list[str] = []
+        last = Chunk()
+        for chunk in self:
+            text.append(chunk.text)
+            last = chunk
+        last.text = "".join(text)
+        return last
+
+    async def aresult(self) -> Chunk:
+        text: list[str] = []
+        last = Chunk()
+        async for chunk in self:
+            text.append(chunk.text)
+            last = chunk
+        last.text = "".join(text)
+        return last
