@@ -79,10 +79,10 @@ class Routing(_Strict):
     """How requests find the replica holding their session's cache."""
 
     session_affinity: bool = True
-    """Rendezvous-hash routing on the session id; False uses Ray Serve's default router."""
-    max_load_factor: Annotated[float, Field(ge=1)] = 2.0
-    """Spill to the next-ranked replica when the owner has more than this times its fair share
-    of ongoing requests (and more than its engine's hot sessions)."""
+    """Rendezvous-hash routing on the session id (a session spills to its next-ranked replica
+    only when its owner is gone or at max_ongoing_requests); False uses Ray's default router."""
+    max_ongoing_requests: Annotated[int, Field(ge=1)] | None = None
+    """Requests a replica takes at once; default: the engine's hot_sessions (its batch width)."""
 
 
 class ModelConfig(_Strict):

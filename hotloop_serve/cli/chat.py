@@ -20,21 +20,19 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
-from rich.console import Console
-from rich.table import Table
-
 from hotloop_client import (
     Chunk,
     Client,
     HotloopError,
     Message,
-    NotFound,
     Role,
     Session,
     Settings,
     TurnInterrupted,
     Usage,
 )
+from rich.console import Console
+from rich.table import Table
 
 DEFAULT_ADDRESS = "localhost:9000"
 
@@ -160,13 +158,13 @@ class Chat:
                 return
             except TurnInterrupted as exc:
                 if attempt == 2:
-                    self._error(exc)
+                    self._error(exc, mid_line=True)
                     return
                 # The session is a cache: the same history rebuilds it on a live replica.
                 self.console.print("\n[replica lost mid-reply; retrying the turn]", style="yellow", markup=False)
                 continue
             except HotloopError as exc:
-                self._error(exc)
+                self._error(exc, mid_line=True)
                 return
             self.history += [Message(Role.USER, text), Message(Role.ASSISTANT, reply)]
             line = stats_line(last.usage if last else None, last)
@@ -179,7 +177,7 @@ class Chat:
         last: Chunk | None = None
         self.console.print(f"{self.session.model}> ", style="bold green", end="", markup=False)
         # closing(): a Ctrl-C anywhere in the loop cancels the RPC at once.
-        with contextlib.closing(self.session.generate(messages)) as stream:  # type: ignore[type-var]
+        with contextlib.closing(self.session.generate(messages)) as stream:
             for chunk in stream:
                 if chunk.text:
                     parts.append(chunk.text)
@@ -188,8 +186,9 @@ class Chat:
         self.console.print()
         return "".join(parts), last
 
-    def _error(self, exc: HotloopError) -> None:
-        self.console.print(f"\nerror: {exc}", style="bold red", markup=False, highlight=False)
+    def _error(self, exc: HotloopError, *, mid_line: bool = False) -> None:
+        prefix = "\n" if mid_line else ""
+        self.console.print(f"{prefix}error: {exc}", style="bold red", markup=False, highlight=False)
 
     # -- commands ---------------------------------------------------------------------
 
@@ -317,18 +316,17 @@ def run_chat(
         except HotloopError as exc:
             console.print(f"cannot start a chat at {address}: {exc}", style="bold red", markup=False)
             return 1
-        with contextlib.suppress(HotloopError):
-            with session:
-                console.print(f"chatting with {model} at {address}; /help for commands", style="dim", markup=False)
-                chat = Chat(session, console, system)
-                try:
-                    chat.warm_system()
-                except NotFound as exc:
-                    console.print(f"cannot warm up the system prompt: {exc}", style="bold red", markup=False)
-                    return 1
-                except HotloopError as exc:
-                    chat._error(exc)
-                chat.run(read_line)
+        chat = Chat(session, console, system)
+        try:
+            console.print(f"chatting with {model} at {address}; /help for commands", style="dim", markup=False)
+            try:
+                chat.warm_system()
+            except HotloopError as exc:
+                chat._error(exc)
+            chat.run(read_line)
+        finally:
+            with contextlib.suppress(HotloopError):  # leaving anyway; the server expires it
+                session.close(timeout=5)
     return 0
 
 
@@ -339,6 +337,7 @@ app = typer.Typer(add_completion=False, help="Streaming terminal chat with a hot
 
 @app.command()
 def chat(
+    *,
     address: Annotated[str, typer.Option(help="host:port of the server's gRPC proxy")] = DEFAULT_ADDRESS,
     model: Annotated[str | None, typer.Option(help="model to chat with (default: the first served)")] = None,
     token: Annotated[str | None, typer.Option(envvar="HOTLOOP_TOKEN", help="bearer token")] = None,

@@ -240,6 +240,12 @@ class Engine:
         with self._lock:
             return self._info(self._owned(session_id, owner))
 
+    def settings_of(self, session_id: str, owner: str) -> SamplingSettings:
+        """A session's settings, or the server's defaults for a session this replica does not hold."""
+        with self._lock:
+            s = self._sessions.get(session_id)
+            return s.settings if s is not None and s.owner == owner else self.defaults
+
     def known(self, session_id: str) -> bool:
         with self._lock:
             return session_id in self._sessions

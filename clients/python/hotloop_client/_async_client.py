@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from types import TracebackType
 from typing import Any
 
@@ -27,10 +27,10 @@ class _Stubs:
     (a ``grpc.aio`` channel belongs to the loop it was created on)."""
 
     def __init__(self, base: _base.BaseClient) -> None:
-        if base._credentials is None:
-            self.channel: Any = grpc.aio.insecure_channel(base.address, options=base._options)
+        if base.credentials is None:
+            self.channel: Any = grpc.aio.insecure_channel(base.address, options=base.options)
         else:
-            self.channel = grpc.aio.secure_channel(base.address, base._credentials, options=base._options)
+            self.channel = grpc.aio.secure_channel(base.address, base.credentials, options=base.options)
         self.sessions = session_pb2_grpc.SessionServiceStub(self.channel)
         self.models = model_pb2_grpc.ModelServiceStub(self.channel)
         self.list_applications = self.channel.unary_unary(
@@ -133,7 +133,7 @@ class AsyncClient:
         await self.close()
 
     def __repr__(self) -> str:
-        return repr(self._base)
+        return f"<AsyncClient {self._base.describe()}>"
 
 
 class AsyncModel:
@@ -197,7 +197,7 @@ class AsyncSession:
 
     def generate(
         self, history: HistoryLike, *, timeout: float | None = None, **overrides: Any
-    ) -> AsyncIterator[Chunk]:
+    ) -> AsyncGenerator[Chunk, None]:
         """Stream the reply to ``history``; use with ``async for``.
 
         Same contract as :meth:`hotloop_client.Session.generate`. ``aclose()`` on the
@@ -206,7 +206,7 @@ class AsyncSession:
         request = self._state.generate_request(history, overrides)
         return self._stream(request, timeout)
 
-    async def _stream(self, request: Any, timeout: float | None) -> AsyncIterator[Chunk]:
+    async def _stream(self, request: Any, timeout: float | None) -> AsyncGenerator[Chunk, None]:
         client = self._client
         deadline = client._base.deadline(timeout)
         progress = _base.StreamProgress()

@@ -249,11 +249,13 @@ _OPTIONAL_SETTINGS = (
 )
 _FLOAT32_SETTINGS = frozenset({"temperature", "top_p", "repeat_penalty", "min_p"})
 
-HistoryLike = Sequence[Message] | Sequence[tuple[str, str]] | Sequence[Message | tuple[str, str]]
-"""A conversation: ``Message``s, or ``(role, content)`` pairs such as ``("user", "hi")``."""
+MessageLike = Message | tuple[Role | str, str]
+"""A ``Message``, or a ``(role, content)`` pair such as ``("user", "hi")``."""
+HistoryLike = Sequence[MessageLike]
+"""A conversation, oldest message first."""
 
 
-def as_messages(history: Iterable[Message | tuple[str, str]]) -> list[Message]:
+def as_messages(history: Iterable[MessageLike]) -> list[Message]:
     """Normalise a history to ``Message``s; a bad role raises ``ValueError`` before any RPC."""
     messages: list[Message] = []
     for item in history:
@@ -261,11 +263,11 @@ def as_messages(history: Iterable[Message | tuple[str, str]]) -> list[Message]:
             messages.append(item)
         else:
             role, content = item
-            messages.append(Message(Role(role) if isinstance(role, Role) else Role(str(role).lower()), content))
+            messages.append(Message(role if isinstance(role, Role) else Role(str(role).lower()), content))
     return messages
 
 
-def messages_to_proto(history: Iterable[Message | tuple[str, str]]) -> list[Any]:
+def messages_to_proto(history: Iterable[MessageLike]) -> list[Any]:
     """``Message``s (or pairs) as ``hotloop.v1.Message`` protos."""
     return [common_pb2.Message(role=_ROLE_TO_PROTO[m.role], content=m.content) for m in as_messages(history)]
 
@@ -393,8 +395,8 @@ class BaseClient:
         self.timeout = timeout
         self.retry_delay = retry_delay
         self._token = token
-        self._credentials = channel_credentials(tls, root_certificates)
-        self._options = list(options)
+        self.credentials = channel_credentials(tls, root_certificates)
+        self.options = list(options)
 
     def metadata(self, application: str | None) -> tuple[tuple[str, str], ...]:
         return call_metadata(application, self._token)
@@ -403,9 +405,9 @@ class BaseClient:
         """A per-call ``timeout`` wins over the client's default."""
         return Deadline(timeout if timeout is not None else self.timeout)
 
-    def __repr__(self) -> str:
-        tls = "tls" if self._credentials is not None else "plaintext"
-        return f"<{type(self).__name__} {self.address} ({tls})>"
+    def describe(self) -> str:
+        """``host:port (tls|plaintext)``, for the twins' reprs."""
+        return f"{self.address} ({'tls' if self.credentials is not None else 'plaintext'})"
 
 
 @dataclass(slots=True)

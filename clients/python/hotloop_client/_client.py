@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Generator, Sequence
 from types import TracebackType
 from typing import Any
 
@@ -51,11 +51,11 @@ class Client:
             retry_delay=retry_delay,
             options=options,
         )
-        credentials = self._base._credentials
+        credentials = self._base.credentials
         if credentials is None:
-            self._channel: Any = grpc.insecure_channel(address, options=self._base._options)
+            self._channel: Any = grpc.insecure_channel(address, options=self._base.options)
         else:
-            self._channel = grpc.secure_channel(address, credentials, options=self._base._options)
+            self._channel = grpc.secure_channel(address, credentials, options=self._base.options)
         self._sessions = session_pb2_grpc.SessionServiceStub(self._channel)
         self._models = model_pb2_grpc.ModelServiceStub(self._channel)
         self._list_applications = self._channel.unary_unary(
@@ -127,7 +127,7 @@ class Client:
         self.close()
 
     def __repr__(self) -> str:
-        return repr(self._base)
+        return f"<Client {self._base.describe()}>"
 
 
 class Model:
@@ -193,7 +193,7 @@ class Session:
 
     def generate(
         self, history: HistoryLike, *, timeout: float | None = None, **overrides: Any
-    ) -> Iterator[Chunk]:
+    ) -> Generator[Chunk, None, None]:
         """Stream the reply to ``history`` (``Message``s or ``(role, content)`` pairs).
 
         Keyword ``overrides`` (e.g. ``temperature=0``) apply to this turn only. If the
@@ -204,7 +204,7 @@ class Session:
         request = self._state.generate_request(history, overrides)
         return self._stream(request, timeout)
 
-    def _stream(self, request: Any, timeout: float | None) -> Iterator[Chunk]:
+    def _stream(self, request: Any, timeout: float | None) -> Generator[Chunk, None, None]:
         client = self._client
         deadline = client._base.deadline(timeout)
         progress = _base.StreamProgress()

@@ -23,9 +23,9 @@ class Role(enum.Enum):
 class FinishReason(enum.Enum):
     """Why a reply ended (only on the last chunk of a turn)."""
 
-    EOS = "eos"          # the model ended its turn
-    LENGTH = "length"    # sample_len reached
-    STOP = "stop"        # a stop sequence matched; it is not part of the text
+    EOS = "eos"  # the model ended its turn
+    LENGTH = "length"  # sample_len reached
+    STOP = "stop"  # a stop sequence matched; it is not part of the text
     CONTEXT = "context"  # the session's context window is full
 
 

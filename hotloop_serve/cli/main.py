@@ -1,0 +1,195 @@
+"""`hotloop-serve`: run, start/stop/status in the background, chat, and print configs."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Annotated
+
+import typer
+import yaml
+from rich.console import Console
+
+from hotloop_serve.config import Config, load_config
+
+app = typer.Typer(help="Serve GGUF chat models over gRPC on Ray Serve, with hot KV caches per session.")
+err = Console(stderr=True)
+
+ConfigOpt = Annotated[Path | None, typer.Option("--config", "-c", help="YAML config (default: the embedded model)")]
+PortOpt = Annotated[int | None, typer.Option("--port", "-p", help="gRPC port (overrides server.grpc_port)")]
+
+
+def _state_dir() -> Path:
+    d = Path(os.environ.get("HOTLOOP_HOME", Path.home() / ".hotloop"))
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+def _load(config: Path | None, port: int | None) -> Config:
+    try:
+        cfg = load_config(config)
+    except Exception as e:
+        err.print(f"[red]invalid config {config}:[/red] {e}")
+        raise typer.Exit(2) from e
+    if port is not None:
+        cfg = cfg.model_copy(update={"server": cfg.server.model_copy(update={"grpc_port": port})})
+    return cfg
+
+
+def _address(cfg: Config) -> str:
+    return f"127.0.0.1:{cfg.server.grpc_port}"
+
+
+@app.command()
+def run(
+    config: ConfigOpt = None,
+    port: PortOpt = None,
+    chat: Annotated[bool, typer.Option(help="open a terminal chat; stop everything when it ends")] = False,
+    address: Annotated[str | None, typer.Option(help="join this Ray cluster instead of starting one")] = None,
+) -> None:
+    """Run in the foreground; Ctrl-C stops Ray and everything it started."""
+    from hotloop_serve.serve.model_source import resolve_model_path
+    from hotloop_serve.serve.runner import start_server, stop_server, wait_until_serving
+
+    cfg = _load(config, port)
+    for m in cfg.models:  # assemble/check model files here, with visible progress, not in a replica
+        resolve_model_path(m.path)
+    err.print(f"hotloop-serve: starting Ray Serve with {len(cfg.models)} model(s) ...")
+    t0 = time.perf_counter()
+    try:
+        start_server(cfg, address=address)
+        wait_until_serving(_address(cfg), [m.name for m in cfg.models])
+        err.print(
+            f"hotloop-serve: serving {', '.join(m.name for m in cfg.models)} on grpc://{_address(cfg)} "
+            f"(ready in {time.perf_counter() - t0:.1f} s)"
+        )
+        if chat:
+            from hotloop_serve.cli.chat import run_chat
+
+            run_chat(_address(cfg), cfg.models[0].name)
+        else:
+            err.print("Ctrl-C to stop")
+            signal.sigwait({signal.SIGINT, signal.SIGTERM})
+    except KeyboardInterrupt:
+        pass
+    finally:
+        err.print("hotloop-serve: stopping ...")
+        stop_server()
+
+
+@app.command()
+def start(
+    config: ConfigOpt = None,
+    port: PortOpt = None,
+    timeout: Annotated[float, typer.Option(help="seconds to wait for readiness")] = 600,
+) -> None:
+    """Start in the background and return once every model serves."""
+    from hotloop_serve.serve.runner import wait_until_serving
+
+    cfg = _load(config, port)
+    state = _state_dir()
+    pid = _running_pid()
+    if pid:
+        err.print(f"hotloop-serve is already running (pid {pid}); `hotloop-serve stop` first")
+        raise typer.Exit(1)
+    args = [sys.executable, "-m", "hotloop_serve.cli.main", "run"]
+    if config:
+        args += ["--config", str(config.resolve())]
+    if port:
+        args += ["--port", str(port)]
+    log_path = state / "server.log"
+    with log_path.open("ab") as log:
+        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                start_new_session=True)  # fmt: skip
+    (state / "server.json").write_text(json.dumps({"pid": proc.pid, "address": _address(cfg)}))
+    try:
+        wait_until_serving(_address(cfg), [m.name for m in cfg.models], timeout_s=timeout)
+    except TimeoutError as e:
+        err.print(f"[red]{e}[/red]; see {log_path}")
+        raise typer.Exit(1) from e
+    err.print(f"hotloop-serve: serving on grpc://{_address(cfg)} (pid {proc.pid}, log {log_path})")
+
+
+def _running_pid() -> int | None:
+    f = _state_dir() / "server.json"
+    if not f.exists():
+        return None
+    pid = int(json.loads(f.read_text())["pid"])
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        f.unlink(missing_ok=True)
+        return None
+    return pid
+
+
+@app.command()
+def stop(timeout: Annotated[float, typer.Option(help="seconds before killing")] = 60) -> None:
+    """Stop the background server (its in-flight streams get the graceful shutdown period)."""
+    pid = _running_pid()
+    if not pid:
+        err.print("hotloop-serve is not running")
+        return
+    os.kill(pid, signal.SIGINT)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.5)
+    else:
+        os.killpg(pid, signal.SIGKILL)
+    (_state_dir() / "server.json").unlink(missing_ok=True)
+    err.print("hotloop-serve stopped")
+
+
+@app.command()
+def status() -> None:
+    """Is the background server running, and what does it serve?"""
+    pid = _running_pid()
+    if not pid:
+        err.print("hotloop-serve is not running")
+        raise typer.Exit(1)
+    address = json.loads((_state_dir() / "server.json").read_text())["address"]
+    from hotloop_client import Client
+
+    with Client(address) as client:
+        for m in client.list_models():
+            typer.echo(f"{m.name}\t{m.architecture}\t{m.quantization}\tctx={m.context_length}\treplicas={m.replicas}")
+    err.print(f"running (pid {pid}) on grpc://{address}")
+
+
+@app.command()
+def chat(
+    address: Annotated[str, typer.Option(help="server address")] = "127.0.0.1:9000",
+    model: Annotated[str | None, typer.Option(help="model name (default: the first served)")] = None,
+) -> None:
+    """A streaming terminal chat with a running server."""
+    from hotloop_serve.cli.chat import run_chat
+
+    run_chat(address, model)
+
+
+@app.command("config")
+def show_config(
+    config: ConfigOpt = None,
+    serve: Annotated[bool, typer.Option("--serve", help="print the Ray Serve config (KubeRay serveConfigV2)")] = False,
+) -> None:
+    """Print the effective config (or the Serve config it deploys as)."""
+    cfg = _load(config, None)
+    if serve:
+        from hotloop_serve.serve.app import serve_config
+
+        typer.echo(yaml.safe_dump(serve_config(cfg), sort_keys=False))
+    else:
+        typer.echo(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+
+
+if __name__ == "__main__":
+    app()

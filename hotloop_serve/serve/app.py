@@ -1,0 +1,101 @@
+"""Building the Ray Serve applications from the config: one application per model.
+
+Each model is its own application, named after the model, whose ingress is the model's
+deployment; clients pick it with the ``application`` gRPC metadata (the SDKs do). The same
+``build_app`` is the import path of the Serve config that KubeRay deploys (``serve_config``
+renders it; the Helm chart renders the same document).
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+from typing import Any
+
+from ray import serve
+from ray.serve.config import AutoscalingConfig, RequestRouterConfig
+from ray.serve.deployment import Application
+
+from hotloop_serve.config import Config, ModelConfig, config_from_dict
+from hotloop_serve.serve.deployment import ModelDeployment
+
+GRPC_SERVICER_FUNCTIONS = [
+    "hotloop.v1.session_pb2_grpc.add_SessionServiceServicer_to_server",
+    "hotloop.v1.model_pb2_grpc.add_ModelServiceServicer_to_server",
+    "grpc_health.v1.health_pb2_grpc.add_HealthServicer_to_server",
+]
+BUILDER_IMPORT_PATH = "hotloop_serve.serve.app:build_app"
+
+
+def session_secret(config: Config) -> str:
+    """The key signing session ids, shared by all replicas: from the environment, else fresh."""
+    name = config.auth.session_secret_env
+    return (os.environ.get(name) if name else None) or secrets.token_urlsafe(32)
+
+
+def deployment_options(model: ModelConfig) -> dict[str, Any]:
+    """Ray Serve options for a model's deployment, from its config."""
+    max_ongoing = model.routing.max_ongoing_requests or model.engine.hot_sessions
+    actor: dict[str, Any] = {"num_cpus": model.resources.num_cpus, "num_gpus": model.resources.num_gpus}
+    if model.resources.memory_bytes:
+        actor["memory"] = model.resources.memory_bytes
+    opts: dict[str, Any] = {
+        "name": model.name,
+        "ray_actor_options": actor,
+        "max_ongoing_requests": max_ongoing,
+        "max_queued_requests": model.engine.max_queue,
+        "graceful_shutdown_timeout_s": model.graceful_shutdown_timeout_s,
+        "health_check_period_s": 5,
+    }
+    if model.autoscaling:
+        a = model.autoscaling
+        opts["autoscaling_config"] = AutoscalingConfig(
+            min_replicas=a.min_replicas,
+            max_replicas=a.max_replicas,
+            initial_replicas=max(a.min_replicas, 1),
+            target_ongoing_requests=a.target_ongoing_requests,
+            upscale_delay_s=a.upscale_delay_s,
+            downscale_delay_s=a.downscale_delay_s,
+        )
+    else:
+        opts["num_replicas"] = model.replicas
+    if model.routing.session_affinity:
+        opts["request_router_config"] = RequestRouterConfig(
+            request_router_class="hotloop_serve.serve.router:SessionAffinityRouter"
+        )
+    return opts
+
+
+def model_app(config: Config, model: ModelConfig, secret: str) -> Application:
+    return ModelDeployment.options(**deployment_options(model)).bind(config.model_dump(mode="json"), model.name, secret)
+
+
+def build_app(args: dict[str, Any]) -> Application:
+    """Ray Serve application builder: ``args = {"config": <hotloop config>, "model": <name>}``."""
+    config = config_from_dict(args["config"])
+    return model_app(config, config.model(args["model"]), session_secret(config))
+
+
+def serve_config(config: Config) -> dict[str, Any]:
+    """The Serve config document (KubeRay's serveConfigV2) deploying ``config``."""
+    doc = config.model_dump(mode="json")
+    return {
+        "http_options": {"host": "0.0.0.0", "port": config.server.http_port},
+        "grpc_options": {"port": config.server.grpc_port, "grpc_servicer_functions": GRPC_SERVICER_FUNCTIONS},
+        "applications": [
+            {
+                "name": m.name,
+                "route_prefix": f"/{m.name}",
+                "import_path": BUILDER_IMPORT_PATH,
+                "args": {"config": doc, "model": m.name},
+            }
+            for m in config.models
+        ],
+    }
+
+
+def deploy(config: Config, blocking: bool = False) -> None:
+    """Deploy every model of ``config`` on the connected Ray cluster (Serve must be started)."""
+    secret = session_secret(config)
+    for m in config.models:
+        serve.run(model_app(config, m, secret), name=m.name, route_prefix=f"/{m.name}", blocking=blocking)

@@ -1,0 +1,111 @@
+"""The one conversion between the API's protos and the engine's types."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from hotloop.v1 import common_pb2 as pb
+from hotloop.v1 import session_pb2 as spb
+
+from hotloop_serve.engine.chat_template import ChatMessage
+from hotloop_serve.engine.settings import SamplingSettings
+from hotloop_serve.engine.stream import Chunk, Timings, Usage
+from hotloop_serve.errors import InvalidArgument
+
+_ROLES = {pb.ROLE_SYSTEM: "system", pb.ROLE_USER: "user", pb.ROLE_ASSISTANT: "assistant"}
+_FINISH = {
+    "eos": pb.FINISH_REASON_EOS,
+    "length": pb.FINISH_REASON_LENGTH,
+    "stop": pb.FINISH_REASON_STOP,
+    "context": pb.FINISH_REASON_CONTEXT,
+}
+_SETTING_FIELDS = (
+    "temperature",
+    "sample_len",
+    "seed",
+    "top_p",
+    "top_k",
+    "repeat_penalty",
+    "repeat_last_n",
+    "min_p",
+    "truncate_history",
+)
+
+
+def messages_from_proto(messages: Sequence[pb.Message], max_messages: int) -> list[ChatMessage]:
+    """Validate and convert a history; the error names the offending message."""
+    if not messages:
+        raise InvalidArgument("history is empty: send at least one message")
+    if len(messages) > max_messages:
+        raise InvalidArgument(f"history has {len(messages)} messages; this server accepts at most {max_messages}")
+    out = []
+    for i, m in enumerate(messages):
+        role = _ROLES.get(m.role)
+        if role is None:
+            raise InvalidArgument(f"message {i}: unknown role {m.role}; use ROLE_SYSTEM, ROLE_USER or ROLE_ASSISTANT")
+        out.append(ChatMessage(role, m.content))
+    return out
+
+
+def settings_from_proto(msg: pb.Settings, base: SamplingSettings) -> SamplingSettings:
+    """Layer the fields present in ``msg`` over ``base`` (validation happens in SamplingSettings)."""
+    given = {f: getattr(msg, f) for f in _SETTING_FIELDS if msg.HasField(f)}
+    if msg.stop:
+        given["stop"] = tuple(msg.stop)
+    return base.merged(**given) if given else base
+
+
+def has_settings(msg: pb.Settings) -> bool:
+    return bool(msg.stop) or any(msg.HasField(f) for f in _SETTING_FIELDS)
+
+
+def settings_to_proto(s: SamplingSettings) -> pb.Settings:
+    out = pb.Settings(
+        temperature=s.temperature,
+        sample_len=s.sample_len,
+        top_p=s.top_p,
+        top_k=s.top_k,
+        repeat_penalty=s.repeat_penalty,
+        repeat_last_n=s.repeat_last_n,
+        stop=list(s.stop),
+        min_p=s.min_p,
+        truncate_history=s.truncate_history,
+    )
+    if s.seed is not None:
+        out.seed = s.seed
+    return out
+
+
+def usage_to_proto(u: Usage) -> pb.Usage:
+    return pb.Usage(
+        prompt_tokens=u.prompt_tokens,
+        cached_tokens=u.cached_tokens,
+        restored_tokens=u.restored_tokens,
+        prefilled_tokens=u.prefilled_tokens,
+        completion_tokens=u.completion_tokens,
+    )
+
+
+def timings_to_proto(t: Timings) -> pb.Timings:
+    return pb.Timings(
+        queue_ms=t.queue_ms,
+        prefill_ms=t.prefill_ms,
+        time_to_first_token_ms=t.time_to_first_token_ms,
+        decode_ms=t.decode_ms,
+    )
+
+
+def chunk_to_proto(c: Chunk, served_by: pb.ServedBy) -> spb.GenerateChunk:
+    if not c.final:
+        return spb.GenerateChunk(text=c.text)
+    assert c.usage is not None and c.timings is not None and c.finish_reason is not None
+    by = pb.ServedBy()
+    by.CopyFrom(served_by)
+    by.cache_hit = c.cache_hit
+    return spb.GenerateChunk(
+        text=c.text,
+        finish_reason=_FINISH[c.finish_reason],
+        usage=usage_to_proto(c.usage),
+        timings=timings_to_proto(c.timings),
+        served_by=by,
+    )

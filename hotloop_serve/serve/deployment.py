@@ -1,0 +1,71 @@
+"""The Ray Serve deployment of one model: a replica = one engine + the gRPC servicer."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from ray import serve
+
+from hotloop_serve.config import config_from_dict
+from hotloop_serve.engine.engine import Engine
+from hotloop_serve.engine.settings import SamplingSettings
+from hotloop_serve.serve.auth import Authenticator, load_tokens
+from hotloop_serve.serve.model_source import resolve_model_path
+from hotloop_serve.serve.servicer import ModelServicer
+from hotloop_serve.serve.session_ids import SessionIds
+from hotloop_serve.telemetry import Telemetry, configure_telemetry
+from hotloop_serve.telemetry.setup import shutdown_telemetry
+
+log = logging.getLogger("ray.serve")
+
+
+class ModelReplica(ModelServicer):
+    """Loads the model once per replica; its methods are the RPCs (see ModelServicer)."""
+
+    def __init__(self, config: dict[str, Any], model: str, session_secret: str) -> None:
+        cfg = config_from_dict(config)
+        mcfg = cfg.model(model)
+        tracer_provider, meter_provider = configure_telemetry(cfg.telemetry.enabled, cfg.telemetry.console)
+        defaults = SamplingSettings().merged(**mcfg.defaults.model_dump())
+        engine = Engine(
+            str(resolve_model_path(mcfg.path)),
+            mcfg.engine,
+            default_settings=defaults,
+            chat_template=mcfg.chat_template,
+            sessions_per_owner=mcfg.limits.sessions_per_principal,
+            max_sample_len=mcfg.limits.max_sample_len,
+        )
+        ctx = serve.get_replica_context()
+        self._rank = ctx.rank.rank if ctx.rank is not None else 0
+        replica_id = ctx.replica_id.unique_id
+        telemetry = Telemetry(mcfg.name, replica_id, engine.stats, tracer_provider, meter_provider)
+        super().__init__(
+            cfg,
+            mcfg,
+            engine,
+            SessionIds(session_secret.encode(), mcfg.name),
+            Authenticator(load_tokens(cfg.auth)),
+            telemetry,
+            replica_id=replica_id,
+            replica_rank=self._rank,
+        )
+        log.info("hotloop replica %s (rank %d) serving %s from %s", replica_id, self._rank, mcfg.name, mcfg.path)
+
+    def record_replica_metadata(self) -> dict[str, Any]:
+        """Published to the routers: the rank is what session affinity hashes on."""
+        return {"rank": self._rank}
+
+    def check_health(self) -> None:
+        """Ray restarts a replica whose engine died."""
+        if not self.engine.alive:
+            raise RuntimeError("the engine's scheduler thread is not running")
+
+    def __del__(self) -> None:
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            engine.close()
+        shutdown_telemetry()
+
+
+ModelDeployment = serve.deployment(ModelReplica)

@@ -1,0 +1,309 @@
+"""The gRPC methods of a model replica: thin (proto in -> engine call -> proto out).
+
+Ray Serve's gRPC proxy calls the ingress deployment's method named like the RPC, with the
+request proto and, because the parameter is named ``grpc_context``, a context for metadata
+and status. Errors become statuses in ``status.py``; nothing here knows llama.cpp.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import OrderedDict
+from collections.abc import AsyncIterator
+from typing import Any
+
+from grpc_health.v1 import health_pb2
+from hotloop.v1 import common_pb2 as pb
+from hotloop.v1 import model_pb2 as mpb
+from hotloop.v1 import session_pb2 as spb
+
+from hotloop_serve.config import Config, ModelConfig
+from hotloop_serve.engine.engine import Engine
+from hotloop_serve.errors import HotloopError, InvalidArgument, NotFound, ResourceExhausted
+from hotloop_serve.serve import convert
+from hotloop_serve.serve.auth import Authenticator
+from hotloop_serve.serve.session_ids import SessionIds
+from hotloop_serve.serve.status import set_status
+from hotloop_serve.telemetry import Telemetry
+
+_CLOSED_REMEMBERED = 4096
+
+
+def _metadata(grpc_context: Any) -> list[tuple[str, Any]]:
+    if grpc_context is None:
+        return []
+    return list(grpc_context.invocation_metadata() or [])
+
+
+class ModelServicer:
+    """ModelService + SessionService + grpc.health.v1 for one model, over one engine."""
+
+    def __init__(
+        self,
+        config: Config,
+        model: ModelConfig,
+        engine: Engine,
+        ids: SessionIds,
+        auth: Authenticator,
+        telemetry: Telemetry,
+        replica_id: str = "local",
+        replica_rank: int = 0,
+    ) -> None:
+        self.config = config
+        self.model = model
+        self.engine = engine
+        self.ids = ids
+        self.auth = auth
+        self.telemetry = telemetry
+        self.served_by = pb.ServedBy(replica=replica_id, replica_rank=replica_rank)
+        self._closed: OrderedDict[str, None] = OrderedDict()
+
+    # -- helpers -----------------------------------------------------------------------
+    def _principal(self, grpc_context: Any) -> str:
+        return self.auth.principal(_metadata(grpc_context))
+
+    def _check_size(self, request: Any) -> None:
+        size = request.ByteSize()
+        if size > self.model.limits.max_request_bytes:
+            raise ResourceExhausted(
+                f"request is {size} bytes; this server accepts at most {self.model.limits.max_request_bytes} "
+                "(limits.max_request_bytes)"
+            )
+
+    def _check_model(self, name: str) -> None:
+        if name and name != self.model.name:
+            served = ", ".join(m.name for m in self.config.models)
+            raise NotFound(
+                f"model {name!r} not found here (this endpoint serves {self.model.name!r}; "
+                f"all models: {served}; pick one with the 'application' metadata)"
+            )
+
+    def _session(self, session_id: str, principal: str) -> str:
+        sid = self.ids.verify(session_id, principal)
+        if sid in self._closed:
+            raise NotFound(f"session {session_id!r} not found (it was closed)")
+        return sid
+
+    def _session_proto(self, sid: str, principal: str) -> spb.Session:
+        info = self.engine.session_info(sid, principal) if self.engine.known(sid) else None
+        settings = info.settings if info else self.engine.settings_of(sid, principal)
+        by = pb.ServedBy()
+        by.CopyFrom(self.served_by)
+        by.cache_hit = bool(info and info.context_tokens)
+        return spb.Session(
+            id=sid,
+            model=self.model.name,
+            settings=convert.settings_to_proto(settings),
+            context_tokens=info.context_tokens if info else 0,
+            state=info.state if info else "new",
+            served_by=by,
+        )
+
+    # -- ModelService ------------------------------------------------------------------
+    def model_info(self) -> mpb.ModelInfo:
+        meta = self.engine.model.metadata
+        return mpb.ModelInfo(
+            name=self.model.name,
+            architecture=meta.architecture,
+            context_length=self.engine.session_context,
+            train_context_length=meta.train_context_length,
+            quantization=meta.quantization,
+            has_chat_template=meta.chat_template is not None,
+            chat_template_source=self.engine.template.origin,
+            parameters=meta.parameters,
+            size_bytes=meta.size_bytes,
+            vocab_size=meta.vocab_size,
+            replicas=self.model.autoscaling.min_replicas if self.model.autoscaling else self.model.replicas,
+        )
+
+    async def ListModels(self, request: mpb.ListModelsRequest, grpc_context: Any = None) -> mpb.ListModelsResponse:
+        try:
+            with self.telemetry.rpc("ListModels", grpc_context):
+                self._principal(grpc_context)
+                models = [
+                    self.model_info()
+                    if m.name == self.model.name
+                    else mpb.ModelInfo(name=m.name, replicas=m.replicas, context_length=m.engine.session_context_tokens)
+                    for m in self.config.models
+                ]
+                return mpb.ListModelsResponse(models=models)
+        except BaseException as e:
+            set_status(grpc_context, e)
+            return mpb.ListModelsResponse()
+
+    async def GetModel(self, request: mpb.GetModelRequest, grpc_context: Any = None) -> mpb.ModelInfo:
+        try:
+            with self.telemetry.rpc("GetModel", grpc_context):
+                self._principal(grpc_context)
+                self._check_model(request.model)
+                return self.model_info()
+        except BaseException as e:
+            set_status(grpc_context, e)
+            return mpb.ModelInfo()
+
+    async def Tokenize(self, request: mpb.TokenizeRequest, grpc_context: Any = None) -> mpb.TokenizeResponse:
+        try:
+            with self.telemetry.rpc("Tokenize", grpc_context):
+                self._principal(grpc_context)
+                self._check_model(request.model)
+                self._check_size(request)
+                return mpb.TokenizeResponse(tokens=self.engine.model.tokenize(request.text, request.add_special))
+        except BaseException as e:
+            set_status(grpc_context, e)
+            return mpb.TokenizeResponse()
+
+    # -- SessionService ----------------------------------------------------------------
+    async def CreateSession(self, request: spb.CreateSessionRequest, grpc_context: Any = None) -> spb.Session:
+        try:
+            with self.telemetry.rpc("CreateSession", grpc_context) as span:
+                principal = self._principal(grpc_context)
+                self._check_model(request.model)
+                settings = convert.settings_from_proto(request.settings, self.engine.defaults)
+                sid = self.ids.new(principal, request.session_key)
+                span.set_attribute("hotloop.session_id", sid)
+                self.engine.create_session(sid, principal, settings)
+                return self._session_proto(sid, principal)
+        except BaseException as e:
+            set_status(grpc_context, e)
+            return spb.Session()
+
+    async def GetSession(self, request: spb.GetSessionRequest, grpc_context: Any = None) -> spb.Session:
+        try:
+            with self.telemetry.rpc("GetSession", grpc_context):
+                principal = self._principal(grpc_context)
+                return self._session_proto(self._session(request.session_id, principal), principal)
+        except BaseException as e:
+            set_status(grpc_context, e)
+            return spb.Session()
+
+    async def UpdateSettings(self, request: spb.UpdateSettingsRequest, grpc_context: Any = None) -> spb.Session:
+        try:
+            with self.telemetry.rpc("UpdateSettings", grpc_context):
+                principal = self._principal(grpc_context)
+                sid = self._session(request.session_id, principal)
+                settings = convert.settings_from_proto(request.settings, self.engine.defaults)
+                self.engine.update_settings(sid, principal, settings)
+                return self._session_proto(sid, principal)
+        except BaseException as e:
+            set_status(grpc_context, e)
+            return spb.Session()
+
+    async def ClearCache(self, request: spb.ClearCacheRequest, grpc_context: Any = None) -> spb.Session:
+        try:
+            with self.telemetry.rpc("ClearCache", grpc_context):
+                principal = self._principal(grpc_context)
+                sid = self._session(request.session_id, principal)
+                if self.engine.known(sid):
+                    await asyncio.to_thread(self.engine.clear_cache, sid, principal)
+                return self._session_proto(sid, principal)
+        except BaseException as e:
+            set_status(grpc_context, e)
+            return spb.Session()
+
+    async def CloseSession(
+        self, request: spb.CloseSessionRequest, grpc_context: Any = None
+    ) -> spb.CloseSessionResponse:
+        try:
+            with self.telemetry.rpc("CloseSession", grpc_context):
+                principal = self._principal(grpc_context)
+                sid = self._session(request.session_id, principal)
+                if self.engine.known(sid):
+                    await asyncio.to_thread(self.engine.close_session, sid, principal)
+                self._closed[sid] = None
+                while len(self._closed) > _CLOSED_REMEMBERED:
+                    self._closed.popitem(last=False)
+                return spb.CloseSessionResponse()
+        except BaseException as e:
+            set_status(grpc_context, e)
+            return spb.CloseSessionResponse()
+
+    async def Warmup(self, request: spb.WarmupRequest, grpc_context: Any = None) -> spb.WarmupResponse:
+        try:
+            with self.telemetry.rpc("Warmup", grpc_context) as span:
+                principal = self._principal(grpc_context)
+                self._check_size(request)
+                sid = self._session(request.session_id, principal)
+                span.set_attribute("hotloop.session_id", sid)
+                hit = self.engine.known(sid)
+                messages = convert.messages_from_proto(request.messages, self.model.limits.max_messages)
+                settings = self._turn_settings(request.settings, sid, principal)
+                stream = await asyncio.to_thread(self.engine.warmup, sid, principal, messages, settings)
+                final = await stream.aresult()
+                assert final.usage is not None
+                by = pb.ServedBy()
+                by.CopyFrom(self.served_by)
+                by.cache_hit = hit
+                self.telemetry.record_usage(span, final, "Warmup")
+                return spb.WarmupResponse(
+                    usage=convert.usage_to_proto(final.usage),
+                    context_tokens=self.engine.session_info(sid, principal).context_tokens,
+                    served_by=by,
+                )
+        except BaseException as e:
+            set_status(grpc_context, e)
+            return spb.WarmupResponse()
+
+    def _turn_settings(self, msg: pb.Settings, sid: str, principal: str) -> Any:
+        if not convert.has_settings(msg):
+            return None
+        return convert.settings_from_proto(msg, self.engine.settings_of(sid, principal))
+
+    async def Generate(self, request: spb.GenerateRequest, grpc_context: Any = None) -> AsyncIterator[spb.GenerateChunk]:
+        """Server-streaming; an await per chunk lets a client's cancel or deadline reach us."""
+        stream = None
+        try:
+            with self.telemetry.rpc("Generate", grpc_context) as span:
+                principal = self._principal(grpc_context)
+                self._check_size(request)
+                sid = self._session(request.session_id, principal)
+                span.set_attribute("hotloop.session_id", sid)
+                messages = convert.messages_from_proto(request.messages, self.model.limits.max_messages)
+                settings = self._turn_settings(request.settings, sid, principal)
+                t0 = time.perf_counter()
+                stream = await asyncio.to_thread(self.engine.generate, sid, principal, messages, settings)
+                first = True
+                async for chunk in stream:
+                    if first:
+                        self.telemetry.first_token(span, time.perf_counter() - t0)
+                        first = False
+                    if chunk.final:
+                        self.telemetry.record_usage(span, chunk, "Generate")
+                    yield convert.chunk_to_proto(chunk, self.served_by)
+        except (GeneratorExit, asyncio.CancelledError):
+            if stream is not None:
+                stream.cancel()
+            raise
+        except Exception as e:
+            if stream is not None:
+                stream.cancel()
+            set_status(grpc_context, e)
+            # A stream's status reaches Ray's proxy only with a message or an exception:
+            # raising after set_code makes the proxy send our code and details.
+            raise
+    # -- grpc.health.v1 ------------------------------------------------------------------
+    def serving(self) -> bool:
+        """Loaded, scheduler alive, and room for one more session."""
+        if not self.engine.alive:
+            return False
+        return self.engine.stats().sessions < self.engine.options.max_sessions
+
+    async def Check(self, request: health_pb2.HealthCheckRequest, grpc_context: Any = None) -> Any:
+        known = {"", "hotloop.v1.SessionService", "hotloop.v1.ModelService"}
+        if request.service not in known:
+            set_status(grpc_context, NotFound(f"unknown service {request.service!r}"))
+            return health_pb2.HealthCheckResponse()
+        status = health_pb2.HealthCheckResponse.SERVING if self.serving() else health_pb2.HealthCheckResponse.NOT_SERVING
+        return health_pb2.HealthCheckResponse(status=status)
+
+    async def Watch(self, request: health_pb2.HealthCheckRequest, grpc_context: Any = None) -> AsyncIterator[Any]:
+        """Stream the status now and whenever it changes (polled once a second)."""
+        last = None
+        while True:
+            status = await self.Check(request, grpc_context)
+            if status.status != last:
+                last = status.status
+                yield status
+            await asyncio.sleep(1.0)
+
+
