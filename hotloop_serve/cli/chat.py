@@ -158,13 +158,13 @@ class Chat:
                 return
             except TurnInterrupted as exc:
                 if attempt == 2:
-                    self._error(exc, mid_line=True)
+                    self.show_error(exc, mid_line=True)
                     return
                 # The session is a cache: the same history rebuilds it on a live replica.
                 self.console.print("\n[replica lost mid-reply; retrying the turn]", style="yellow", markup=False)
                 continue
             except HotloopError as exc:
-                self._error(exc, mid_line=True)
+                self.show_error(exc, mid_line=True)
                 return
             self.history += [Message(Role.USER, text), Message(Role.ASSISTANT, reply)]
             line = stats_line(last.usage if last else None, last)
@@ -186,7 +186,7 @@ class Chat:
         self.console.print()
         return "".join(parts), last
 
-    def _error(self, exc: HotloopError, *, mid_line: bool = False) -> None:
+    def show_error(self, exc: HotloopError, *, mid_line: bool = False) -> None:
         prefix = "\n" if mid_line else ""
         self.console.print(f"{prefix}error: {exc}", style="bold red", markup=False, highlight=False)
 
@@ -218,7 +218,7 @@ class Chat:
             else:
                 self.console.print(f"unknown command /{name}; /help lists them", style="yellow", markup=False)
         except HotloopError as exc:
-            self._error(exc)
+            self.show_error(exc)
         return True
 
     def _cmd_system(self, text: str) -> None:
@@ -322,7 +322,7 @@ def run_chat(
             try:
                 chat.warm_system()
             except HotloopError as exc:
-                chat._error(exc)
+                chat.show_error(exc)
             chat.run(read_line)
         finally:
             with contextlib.suppress(HotloopError):  # leaving anyway; the server expires it

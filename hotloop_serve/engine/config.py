@@ -40,6 +40,11 @@ class EngineOptions:
     """CPU threads for decoding; 0 = every core of the machine (or of the replica's reservation)."""
     gpu_layers: int = 0
     """Layers offloaded to the GPU; -1 = all of them."""
+    batch_invariant: bool = True
+    """Make a session's tokens independent of who shares its batch (and of where its cells sit):
+    weights are not repacked (repacked kernels round differently for 1 and N rows) and flash
+    attention skips masked cells. A fixed seed then reproduces a reply under any load, and an
+    evicted-and-restored session continues exactly; measured cost: about 3% single stream."""
     idle_ttl_s: float = 3600.0
     """A session untouched this long is forgotten."""
     seed: int = 0

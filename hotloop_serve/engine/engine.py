@@ -122,6 +122,10 @@ class Request:
         return self.last_token is not None
 
     @property
+    def needs_logits(self) -> bool:
+        return self.kind == _GENERATE
+
+    @property
     def prefill_remaining(self) -> int:
         return 0 if self.last_token is not None else len(self.prompt) - len(self.session.tokens)
 
@@ -167,7 +171,7 @@ class Engine:
         self.defaults = default_settings or SamplingSettings()
         self.sessions_per_owner = sessions_per_owner
         self.max_sample_len = max_sample_len
-        self.model = Model(model_path, gpu_layers=opts.gpu_layers)
+        self.model = Model(model_path, gpu_layers=opts.gpu_layers, repack=not opts.batch_invariant)
         meta = self.model.metadata
         self.session_context = min(opts.session_context_tokens, meta.train_context_length or opts.context_tokens)
         if chat_template is not None:
@@ -191,6 +195,8 @@ class Engine:
         params.kv_unified = True  # sequences share one pool of cells: any session may grow to session_context
         params.swa_full = True  # keep sliding-window layers' cells too, so a cache can be cut anywhere
         params.no_perf = True
+        if opts.batch_invariant:
+            params.flash_attn_type = ll.LLAMA_FLASH_ATTN_TYPE_ENABLED
         self._ctx = ll.llama_init_from_model(self.model.ptr, params)
         if not self._ctx:
             raise InternalError(f"llama.cpp could not create a context of {opts.context_tokens} tokens")
@@ -403,8 +409,6 @@ class Engine:
                 s.settings = settings
             return s
         if len(self._sessions) >= self.options.max_sessions:
-            self._forget_idle_lru()
-        if len(self._sessions) >= self.options.max_sessions:
             raise ResourceExhausted(
                 f"this replica holds its maximum of {self.options.max_sessions} sessions "
                 f"(engine.max_sessions); close sessions you no longer use"
@@ -418,14 +422,6 @@ class Engine:
                 )
         s = self._sessions[session_id] = SessionState(session_id, owner, settings)
         return s
-
-    def _forget_idle_lru(self) -> None:
-        """Make room for a session by forgetting the least recently used idle one without a cache."""
-        idle = [s for s in self._sessions.values() if s.request is None and s.seq is None]
-        if idle:
-            victim = min(idle, key=lambda s: s.last_used)
-            self._evicted.take(victim)
-            del self._sessions[victim.id]
 
     def _owned(self, session_id: str, owner: str) -> SessionState:
         s = self._sessions.get(session_id)

@@ -59,13 +59,14 @@ _FILE_TYPES = {
 class Model:
     """A loaded GGUF model (weights + vocabulary). One per replica; shared by its context."""
 
-    def __init__(self, path: str | Path, gpu_layers: int = 0) -> None:
+    def __init__(self, path: str | Path, gpu_layers: int = 0, repack: bool = True) -> None:
         path = Path(path)
         if not path.is_file():
             raise InvalidArgument(f"model file not found: {path}")
         init_backend()
         params = ll.llama_model_default_params()
         params.n_gpu_layers = 2**31 - 1 if gpu_layers < 0 else gpu_layers
+        params.use_extra_bufts = repack
         self.path = path
         self._ptr = ll.llama_model_load_from_file(str(path).encode(), params)
         if not self._ptr:

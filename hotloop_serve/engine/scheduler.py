@@ -19,6 +19,9 @@ class Schedulable(Protocol):
     @property
     def prefill_remaining(self) -> int: ...
 
+    @property
+    def needs_logits(self) -> bool: ...
+
 
 @dataclass(frozen=True, slots=True)
 class BatchPlan:
@@ -44,7 +47,9 @@ def plan_batch(active: Sequence[Schedulable], batch_tokens: int, prefill_chunk: 
             break
         n = r.prefill_remaining
         if not r.decoding and n > 0:
-            take = min(n, budget)
+            # The last prompt token goes alone, like a decode step: the logits of a reply's
+            # first token then never depend on how the prompt was split (batch invariance).
+            take = min(n - 1 if n > 1 and r.needs_logits else n, budget)
             prefill.append((i, take))
             budget -= take
     return BatchPlan(decode, tuple(prefill))

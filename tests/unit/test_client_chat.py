@@ -52,6 +52,9 @@ class EchoServer(session_pb2_grpc.SessionServiceServicer, model_pb2_grpc.ModelSe
         text = request.messages[-1].content
         yield session_pb2.GenerateChunk(text="echo: ")
         yield session_pb2.GenerateChunk(text=text)
+        if "BOOM" in text:  # a long reply: only ends when the client cancels it
+            self.cancelled.wait(5)
+            return
         yield session_pb2.GenerateChunk(
             finish_reason=common_pb2.FINISH_REASON_EOS,
             usage=common_pb2.Usage(prompt_tokens=20, cached_tokens=12, completion_tokens=5),

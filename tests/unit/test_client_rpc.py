@@ -125,19 +125,22 @@ class FakeSessions(session_pb2_grpc.SessionServiceServicer):  # type: ignore[mis
     def Generate(self, request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
         self.rec.record("Generate", request, context)
         script = self.rec.scripts.pop(0) if self.rec.scripts else DEFAULT_SCRIPT
+        # Registered before the first yield: a cancel that lands while a chunk is still in
+        # flight must be seen too. Only an end before the script finished is a cancel.
+        cancelled, finished = self.rec.cancelled, threading.Event()
+        context.add_callback(lambda: None if finished.is_set() else cancelled.set())
         for kind, arg in script:
             if kind == "text":
                 yield session_pb2.GenerateChunk(text=arg)
             elif kind == "last":
                 yield _last_chunk()
             elif kind == "abort":
+                finished.set()
                 context.abort(*arg)
             elif kind == "wait_cancel":
-                # add_callback is False when the RPC already ended: the client was quicker.
-                if not context.add_callback(self.rec.cancelled.set):
-                    self.rec.cancelled.set()
-                self.rec.cancelled.wait(5)
+                cancelled.wait(5)
                 return
+        finished.set()
 
     def Warmup(self, request: Any, context: grpc.ServicerContext) -> Any:
         self.rec.record("Warmup", request, context)

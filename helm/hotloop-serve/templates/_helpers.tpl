@@ -329,7 +329,7 @@ Container resources of a worker group: the group's own `resources`, or sized fro
     "hotloop.v1.model_pb2_grpc.add_ModelServiceServicer_to_server"
     "grpc_health.v1.health_pb2_grpc.add_HealthServicer_to_server") -}}
 {{- if $timeout -}}
-{{- $_ := set $http "request_timeout_s" $timeout -}}
+{{- /* as the CLI does (serve/runner.py): on the gRPC proxy */ -}}
 {{- $_ := set $grpc "request_timeout_s" $timeout -}}
 {{- end -}}
 {{- $apps := list -}}

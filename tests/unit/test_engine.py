@@ -1,0 +1,233 @@
+"""The engine on a tiny generated GGUF: reuse, batching, eviction, cancellation, bounds."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from hotloop_serve.engine.chat_template import ChatMessage as M
+from hotloop_serve.engine.config import EngineOptions
+from hotloop_serve.engine.engine import Engine
+from hotloop_serve.engine.settings import SamplingSettings
+from hotloop_serve.errors import FailedPrecondition, InvalidArgument, NotFound, OutOfRange, ResourceExhausted
+
+GREEDY = SamplingSettings(temperature=0, sample_len=24, repeat_penalty=1.0)
+
+
+@pytest.fixture
+def engine(tiny_model: Path) -> Iterator[Engine]:
+    with Engine(str(tiny_model), EngineOptions(context_tokens=4096, session_context_tokens=1024, hot_sessions=4)) as e:
+        yield e
+
+
+def history(n: int = 0) -> list[M]:
+    return [M("system", "You are a test."), M("user", f"Question number {n}: what is going on here?")]
+
+
+def settle(engine: Engine) -> None:
+    """Wait for the scheduler to go idle (a finished reply's last token is cached one step later)."""
+    for _ in range(200):
+        if engine.stats().active_requests == 0:
+            return
+        time.sleep(0.005)
+    raise AssertionError(f"engine did not settle: {engine.stats()}")
+
+
+def test_same_history_again_reuses_all_but_the_last_prompt_token(engine: Engine) -> None:
+    first = engine.generate("s", "a", history(), GREEDY).result()
+    n = first.usage.prompt_tokens  # type: ignore[union-attr]
+    assert first.usage.cached_tokens == 0 and first.usage.prefilled_tokens == n  # type: ignore[union-attr]
+    settle(engine)
+    again = engine.generate("s", "a", history(), GREEDY).result()
+    assert again.usage.cached_tokens == n - 1  # type: ignore[union-attr]
+    assert again.usage.prefilled_tokens == 1  # type: ignore[union-attr]
+    assert again.text == first.text
+
+
+def test_second_turn_reuses_the_first_turn(engine: Engine) -> None:
+    turn1 = history()
+    r1 = engine.generate("s", "a", turn1, GREEDY).result()
+    settle(engine)
+    assert engine.session_info("s", "a").context_tokens == r1.usage.prompt_tokens + r1.usage.completion_tokens  # type: ignore[union-attr]
+    turn2 = [*turn1, M("assistant", "ok"), M("user", "next")]
+    r2 = engine.generate("s", "a", turn2, GREEDY).result()
+    u = r2.usage
+    assert u is not None and r1.usage is not None
+    assert u.cached_tokens >= r1.usage.prompt_tokens
+    assert u.cached_tokens + u.prefilled_tokens == u.prompt_tokens
+
+
+def test_sample_len_caps_generation(engine: Engine) -> None:
+    r = engine.generate("s", "a", history(), GREEDY.merged(sample_len=7)).result()
+    assert r.usage is not None and r.usage.completion_tokens <= 7
+    if r.finish_reason == "length":
+        assert r.usage.completion_tokens == 7
+
+
+def test_batched_sessions_match_each_alone(tiny_model: Path) -> None:
+    opts = EngineOptions(context_tokens=4096, session_context_tokens=1024, hot_sessions=4)
+    with Engine(str(tiny_model), opts) as alone:
+        expected = [alone.generate(f"s{i}", "a", history(i), GREEDY).result().text for i in range(4)]
+    with Engine(str(tiny_model), opts) as together:
+        streams = [together.generate(f"s{i}", "a", history(i), GREEDY) for i in range(4)]
+        got = [s.result().text for s in streams]
+        assert together.stats().steps < 4 * (GREEDY.sample_len + 1)  # they really shared steps
+    assert got == expected
+
+
+def test_evicted_session_restores_and_continues_identically(tiny_model: Path) -> None:
+    turn2 = [*history(), M("assistant", "ok"), M("user", "and then?")]
+    with Engine(str(tiny_model), EngineOptions(context_tokens=4096, session_context_tokens=1024, hot_sessions=2)) as e:
+        e.generate("a", "p", history(), GREEDY).result()
+        settle(e)
+        reference = e.generate("a", "p", turn2, GREEDY).result()
+    with Engine(str(tiny_model), EngineOptions(context_tokens=4096, session_context_tokens=1024, hot_sessions=1)) as e:
+        e.generate("a", "p", history(), GREEDY).result()
+        settle(e)
+        e.generate("b", "p", history(9), GREEDY).result()  # takes the only sequence: "a" is evicted
+        settle(e)
+        assert e.session_info("a", "p").state == "evicted"
+        restored = e.generate("a", "p", turn2, GREEDY).result()
+    assert restored.usage is not None and reference.usage is not None
+    assert restored.usage.restored_tokens == reference.usage.cached_tokens > 0
+    assert restored.text == reference.text
+
+
+def test_evicted_past_budget_is_dropped_and_rebuilt(tiny_model: Path) -> None:
+    opts = EngineOptions(context_tokens=4096, session_context_tokens=1024, hot_sessions=1, evicted_bytes=0)
+    with Engine(str(tiny_model), opts) as e:
+        first = e.generate("a", "p", history(), GREEDY).result()
+        settle(e)
+        e.generate("b", "p", history(9), GREEDY).result()
+        settle(e)
+        assert e.session_info("a", "p").state in ("dropped", "new")
+        again = e.generate("a", "p", history(), GREEDY).result()
+    assert again.usage is not None and again.usage.cached_tokens == again.usage.restored_tokens == 0
+    assert again.text == first.text
+
+
+def test_cancel_frees_the_sequence_and_keeps_the_cache_consistent(engine: Engine) -> None:
+    stream = engine.generate("s", "a", history(), GREEDY.merged(sample_len=500))
+    it = iter(stream)
+    next(it)
+    stream.cancel()
+    settle(engine)
+    assert engine.stats().active_requests == 0
+    held = engine.session_info("s", "a").context_tokens
+    assert held > 0
+    r = engine.generate("s", "a", history(), GREEDY).result()
+    assert r.usage is not None and r.usage.cached_tokens > 0
+
+
+def test_concurrent_callers_from_many_threads(engine: Engine) -> None:
+    expected = {}
+    for i in range(6):
+        expected[i] = engine.generate(f"ref{i}", "a", history(i), GREEDY).result().text
+    results: dict[int, str] = {}
+    errors: list[BaseException] = []
+
+    def worker(i: int) -> None:
+        try:
+            results[i] = engine.generate(f"t{i}", "a", history(i), GREEDY).result().text
+        except BaseException as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert not errors
+    assert results == expected
+
+
+def test_shared_prefix_is_copied_within_one_owner_only(engine: Engine) -> None:
+    system = M("system", "A long shared system prompt. " * 8)
+    engine.generate("first", "alice", [system, M("user", "one")], GREEDY).result()
+    settle(engine)
+    mine = engine.generate("second", "alice", [system, M("user", "two")], GREEDY).result()
+    theirs = engine.generate("third", "bob", [system, M("user", "two")], GREEDY).result()
+    assert mine.usage is not None and theirs.usage is not None
+    assert mine.usage.cached_tokens >= 200
+    assert theirs.usage.cached_tokens == 0
+    assert mine.text == theirs.text
+
+
+def test_warmup_prefills_without_generating(engine: Engine) -> None:
+    w = engine.warmup("s", "a", [M("system", "Be brief.")]).result()
+    assert w.usage is not None and w.usage.completion_tokens == 0 and w.usage.prefilled_tokens > 0
+    settle(engine)
+    held = engine.session_info("s", "a").context_tokens
+    assert held == w.usage.prompt_tokens
+    r = engine.generate("s", "a", [M("system", "Be brief."), M("user", "hi")], GREEDY).result()
+    assert r.usage is not None and r.usage.cached_tokens >= held - 1
+
+
+def test_clear_cache_and_close(engine: Engine) -> None:
+    engine.generate("s", "a", history(), GREEDY).result()
+    settle(engine)
+    assert engine.clear_cache("s", "a").context_tokens == 0
+    engine.close_session("s", "a")
+    with pytest.raises(NotFound):
+        engine.session_info("s", "a")
+    assert engine.stats().free_sequences == 4
+
+
+def test_other_owner_cannot_see_a_session(engine: Engine) -> None:
+    engine.create_session("s", "alice")
+    for call in (engine.session_info, engine.clear_cache, engine.close_session):
+        with pytest.raises(NotFound):
+            call("s", "mallory")
+    with pytest.raises(NotFound):
+        engine.generate("s", "mallory", history(), GREEDY)
+
+
+def test_history_beyond_the_window(tiny_model: Path) -> None:
+    opts = EngineOptions(context_tokens=1024, session_context_tokens=256, hot_sessions=2)
+    with Engine(str(tiny_model), opts) as e:
+        long = [M("system", "sys"), *[M("user" if i % 2 == 0 else "assistant", "x" * 60) for i in range(9)]]
+        with pytest.raises(OutOfRange, match="256"):
+            e.generate("s", "a", long, GREEDY)
+        r = e.generate("s", "a", long, GREEDY.merged(truncate_history=True)).result()
+        assert r.usage is not None and r.usage.prompt_tokens < 256
+
+
+def test_bad_input_and_bounds(tiny_model: Path) -> None:
+    opts = EngineOptions(context_tokens=1024, session_context_tokens=512, hot_sessions=1, max_sessions=2, max_queue=1)
+    with Engine(str(tiny_model), opts) as e:
+        with pytest.raises(InvalidArgument, match="empty"):
+            e.generate("s", "a", [], GREEDY)
+        with pytest.raises(InvalidArgument, match="role"):
+            e.generate("s", "a", [M("robot", "hi")], GREEDY)
+        e.create_session("s1", "a")
+        e.create_session("s2", "a")
+        with pytest.raises(ResourceExhausted, match="max_sessions"):
+            e.create_session("s3", "a")
+        busy = e.generate("s1", "a", history(), GREEDY.merged(sample_len=200))
+        with pytest.raises(FailedPrecondition, match="already generating"):
+            e.generate("s1", "a", history(), GREEDY)
+        queued = e.generate("s2", "a", history(), GREEDY)  # waits: the only sequence is busy
+        with pytest.raises(ResourceExhausted, match="max_queue"):
+            e.warmup("s2", "a", history())
+        busy.cancel()
+        assert queued.result().usage is not None
+
+
+def test_stats_return_to_baseline_after_load(engine: Engine) -> None:
+    base = engine.stats()
+    streams = [engine.generate(f"s{i}", "a", history(i), GREEDY) for i in range(12)]
+    for s in streams:
+        s.result()
+    for i in range(12):
+        engine.close_session(f"s{i}", "a")
+    settle(engine)
+    after = engine.stats()
+    assert (after.sessions, after.free_sequences, after.evicted_bytes) == (
+        base.sessions,
+        base.free_sequences,
+        base.evicted_bytes,
+    )

@@ -1,0 +1,149 @@
+"""Model-free pieces: batch planning, streaming text, settings, templates, ids, auth, config."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import pytest
+
+from hotloop_serve.config import Config, config_from_dict
+from hotloop_serve.engine.chat_template import ChatMessage as M
+from hotloop_serve.engine.chat_template import ChatTemplate, builtin_template
+from hotloop_serve.engine.sampling import TextAssembler
+from hotloop_serve.engine.scheduler import plan_batch
+from hotloop_serve.engine.settings import SamplingSettings
+from hotloop_serve.errors import InvalidArgument, NotFound, Unauthenticated
+from hotloop_serve.serve.auth import Authenticator
+from hotloop_serve.serve.router import rendezvous_order
+from hotloop_serve.serve.session_ids import SessionIds, routing_key
+
+
+@dataclass
+class R:
+    decoding: bool
+    prefill_remaining: int
+    needs_logits: bool = False
+
+
+def test_decoders_get_one_token_each_and_prefill_is_chunked_beside_them() -> None:
+    plan = plan_batch([R(True, 0), R(False, 1000), R(True, 0), R(False, 50)], batch_tokens=512, prefill_chunk=128)
+    assert plan.decode == (0, 2)
+    assert plan.prefill == ((1, 128),)
+    assert plan.total == 130
+
+
+def test_prefill_alone_uses_the_whole_batch_in_arrival_order() -> None:
+    plan = plan_batch([R(False, 300), R(False, 300)], batch_tokens=512, prefill_chunk=128)
+    assert plan.prefill == ((0, 300), (1, 212))
+
+
+def test_the_last_prompt_token_of_a_reply_is_decoded_alone() -> None:
+    assert plan_batch([R(False, 20, True)], 512, 128).prefill == ((0, 19),)
+    assert plan_batch([R(False, 1, True)], 512, 128).prefill == ((0, 1),)
+
+
+@pytest.mark.parametrize("text", ["héllo wörld", "日本語のテキスト", "emoji 😀🎉 end", "ascii"])
+def test_utf8_split_across_tokens_is_never_emitted_broken(text: str) -> None:
+    a = TextAssembler(())
+    out = [a.feed(bytes([b])) for b in text.encode()]
+    assert "".join(out) + a.flush() == text
+    assert all("\ufffd" not in piece for piece in out)
+
+
+def test_stop_sequence_is_held_back_then_cut() -> None:
+    a = TextAssembler(("END",))
+    pieces = [a.feed(p.encode()) for p in ("Hello E", "N", "D tail")]
+    assert "".join(pieces) == "Hello "
+    assert a.stopped
+
+
+def test_stop_prefix_that_does_not_complete_is_released() -> None:
+    a = TextAssembler(("END",))
+    got = a.feed(b"an E") + a.feed(b"lephant") + a.flush()
+    assert got == "an Elephant" and not a.stopped
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("temperature", -0.1, "temperature"),
+        ("temperature", math.nan, "finite"),
+        ("top_p", 0.0, "top_p"),
+        ("top_p", 1.5, "top_p"),
+        ("sample_len", 0, "sample_len"),
+        ("top_k", -1, "top_k"),
+        ("repeat_penalty", 0.0, "repeat_penalty"),
+        ("min_p", 1.0, "min_p"),
+        ("seed", -1, "seed"),
+    ],
+)
+def test_bad_settings_name_the_field(field: str, value: float, message: str) -> None:
+    with pytest.raises(InvalidArgument, match=message):
+        SamplingSettings().merged(**{field: value})
+
+
+def test_sample_len_server_cap() -> None:
+    with pytest.raises(InvalidArgument, match="<= 100"):
+        SamplingSettings(sample_len=101).validate(max_sample_len=100)
+
+
+def test_gemma_fallback_template_and_warmup_prefix() -> None:
+    name, source = builtin_template("gemma3")
+    t = ChatTemplate(source, f"builtin:{name}", "<bos>")
+    warm = t.render([M("system", "Be brief.")], add_generation_prompt=False)
+    full = t.render([M("system", "Be brief."), M("user", "Hi")])
+    assert full == "<bos><start_of_turn>user\nBe brief.\n\nHi<end_of_turn>\n<start_of_turn>model\n"
+    assert full.startswith(warm)
+    two = t.render([M("user", "Hi"), M("assistant", "Hello!"), M("user", "More")])
+    assert "<start_of_turn>model\nHello!<end_of_turn>\n" in two
+
+
+def test_bad_template_is_a_clear_error() -> None:
+    with pytest.raises(InvalidArgument, match="does not compile"):
+        ChatTemplate("{% for %}", "config")
+
+
+def test_session_ids_bind_principal_and_model() -> None:
+    ids = SessionIds(b"secret", "m")
+    sid = ids.new("alice", "client-key-1")
+    assert routing_key(sid) == "client-key-1"
+    assert ids.verify(sid, "alice") == sid
+    with pytest.raises(NotFound):
+        ids.verify(sid, "bob")
+    with pytest.raises(NotFound):
+        SessionIds(b"secret", "other-model").verify(sid, "alice")
+    with pytest.raises(NotFound):
+        ids.verify("made-up-id.xxxx", "alice")
+    with pytest.raises(InvalidArgument, match="session_key"):
+        ids.new("alice", "bad key!")
+
+
+def test_bearer_tokens() -> None:
+    auth = Authenticator({"alice": "t-a", "bob": "t-b"})
+    assert auth.principal([("authorization", "Bearer t-b")]) == "bob"
+    for md in ([], [("authorization", "Bearer nope")], [("authorization", "Basic t-a")]):
+        with pytest.raises(Unauthenticated):
+            auth.principal(md)
+    assert Authenticator({}).principal([]) == "anonymous"
+
+
+def test_rendezvous_moves_about_one_nth_when_a_replica_joins() -> None:
+    keys = [f"session-{i}" for i in range(3000)]
+    before = {k: ["0", "1", "2"][rendezvous_order(k, ["0", "1", "2"])[0]] for k in keys}
+    after = {k: ["0", "1", "2", "3"][rendezvous_order(k, ["0", "1", "2", "3"])[0]] for k in keys}
+    moved = [k for k in keys if before[k] != after[k]]
+    assert all(after[k] == "3" for k in moved)  # only to the new replica
+    assert 0.18 < len(moved) / len(keys) < 0.32  # about 1/4
+    counts = [list(before.values()).count(r) for r in "012"]
+    assert max(counts) / min(counts) < 1.15  # spread evenly
+
+
+def test_config_rejects_unknown_keys_and_bad_values() -> None:
+    assert Config().models[0].path.startswith("embedded:")
+    with pytest.raises(ValueError, match="replicas"):
+        config_from_dict({"models": [{"name": "m", "replicas": -1}]})
+    with pytest.raises(ValueError, match="extra|unexpected"):
+        config_from_dict({"models": [{"name": "m", "replica": 2}]})
+    with pytest.raises(ValueError, match="unique"):
+        config_from_dict({"models": [{"name": "m"}, {"name": "m"}]})
