@@ -127,7 +127,6 @@ def test_warmup_context_and_clear(client: Client) -> None:
 @pytest.mark.parametrize(
     ("settings", "history", "error", "message"),
     [
-        (GREEDY, [], InvalidArgument, "empty"),
         (Settings(temperature=-1), HISTORY, InvalidArgument, "temperature"),
         (Settings(top_p=0), HISTORY, InvalidArgument, "top_p"),
         (Settings(top_p=1.5), HISTORY, InvalidArgument, "top_p"),
@@ -158,5 +157,8 @@ def test_unknown_model_session_and_role_through_raw_grpc(server: Server) -> None
         with pytest.raises(grpc.RpcError) as e:
             list(stub.Generate(session_pb2.GenerateRequest(session_id=sid, messages=bad), metadata=md))
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "role" in (e.value.details() or "")
+        with pytest.raises(grpc.RpcError) as e:
+            list(stub.Generate(session_pb2.GenerateRequest(session_id=sid, messages=[]), metadata=md))
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "empty" in (e.value.details() or "")
         ok = list(stub.Generate(session_pb2.GenerateRequest(session_id=sid, messages=msg), metadata=md))
         assert ok[-1].usage.completion_tokens > 0
