@@ -197,7 +197,7 @@ def test_history_beyond_the_window(tiny_model: Path) -> None:
 
 
 def test_bad_input_and_bounds(tiny_model: Path) -> None:
-    opts = EngineOptions(context_tokens=1024, session_context_tokens=512, hot_sessions=1, max_sessions=2, max_queue=1)
+    opts = EngineOptions(context_tokens=8192, session_context_tokens=8192, hot_sessions=1, max_sessions=2, max_queue=1)
     with Engine(str(tiny_model), opts) as e:
         with pytest.raises(InvalidArgument, match="empty"):
             e.generate("s", "a", [], GREEDY)
@@ -207,7 +207,7 @@ def test_bad_input_and_bounds(tiny_model: Path) -> None:
         e.create_session("s2", "a")
         with pytest.raises(ResourceExhausted, match="max_sessions"):
             e.create_session("s3", "a")
-        busy = e.generate("s1", "a", history(), GREEDY.merged(sample_len=200))
+        busy = e.generate("s1", "a", history(), GREEDY.merged(sample_len=8000))  # long enough to still run
         with pytest.raises(FailedPrecondition, match="already generating"):
             e.generate("s1", "a", history(), GREEDY)
         queued = e.generate("s2", "a", history(), GREEDY)  # waits: the only sequence is busy
