@@ -79,9 +79,12 @@ def build_app(args: dict[str, Any]) -> Application:
 def serve_config(config: Config) -> dict[str, Any]:
     """The Serve config document (KubeRay's serveConfigV2) deploying ``config``."""
     doc = config.model_dump(mode="json")
+    grpc_options: dict[str, Any] = {"port": config.server.grpc_port, "grpc_servicer_functions": GRPC_SERVICER_FUNCTIONS}
+    if config.server.request_timeout_s is not None:
+        grpc_options["request_timeout_s"] = config.server.request_timeout_s
     return {
         "http_options": {"host": "0.0.0.0", "port": config.server.http_port},
-        "grpc_options": {"port": config.server.grpc_port, "grpc_servicer_functions": GRPC_SERVICER_FUNCTIONS},
+        "grpc_options": grpc_options,
         "applications": [
             {
                 "name": m.name,

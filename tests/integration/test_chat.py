@@ -137,7 +137,7 @@ def test_bad_requests_get_clear_statuses(
 ) -> None:
     session = client.model(SINGLE).new_session(settings=GREEDY)
     with pytest.raises(error, match=message):
-        list(session.generate(history, **{k: v for k, v in vars(settings).items() if v is not None}))
+        list(session.generate(history, **{k: v for k, v in settings.as_dict().items() if v is not None}))
     assert list(session.generate(HISTORY))[-1].usage is not None  # still serving
 
 

@@ -208,6 +208,8 @@ def test_bad_input_and_bounds(tiny_model: Path) -> None:
         with pytest.raises(ResourceExhausted, match="max_sessions"):
             e.create_session("s3", "a")
         busy = e.generate("s1", "a", history(), GREEDY.merged(sample_len=8000))  # long enough to still run
+        while e.stats().waiting_requests or not e.stats().steps:
+            time.sleep(0.001)  # until it is in the batch, out of the queue
         with pytest.raises(FailedPrecondition, match="already generating"):
             e.generate("s1", "a", history(), GREEDY)
         queued = e.generate("s2", "a", history(), GREEDY)  # waits: the only sequence is busy
