@@ -10,7 +10,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from tiny_gguf import write_tiny_gguf  # noqa: E402
+from tiny_gguf import write_tiny_gguf
 
 
 @pytest.fixture(scope="session")

@@ -9,6 +9,7 @@ batch at the next step.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -79,10 +80,8 @@ class RequestStream:
             self._cond.notify()
             loop, event = self._loop, self._event
         if loop is not None and event is not None:
-            try:
+            with contextlib.suppress(RuntimeError):  # the reader's loop is closed: nobody listens
                 loop.call_soon_threadsafe(event.set)
-            except RuntimeError:  # the reader's loop is closed: nobody is listening
-                pass
 
     # -- consumer side --
     def cancel(self) -> None:

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import hashlib
 import pickle
-from typing import Any
 
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
@@ -66,7 +65,7 @@ def rendezvous_order(key: str, ranks: list[str]) -> list[int]:
     return sorted(range(len(ranks)), key=lambda i: score(ranks[i]), reverse=True)
 
 
-class SessionAffinityRouter(RequestRouter):
+class SessionAffinityRouter(RequestRouter):  # type: ignore[misc]
     """Ray Serve request router implementing the rendezvous ranking above."""
 
     async def choose_replicas(

@@ -20,7 +20,7 @@ from hotloop.v1 import session_pb2 as spb
 
 from hotloop_serve.config import Config, ModelConfig
 from hotloop_serve.engine.engine import Engine
-from hotloop_serve.errors import HotloopError, InvalidArgument, NotFound, ResourceExhausted
+from hotloop_serve.errors import NotFound, ResourceExhausted
 from hotloop_serve.serve import convert
 from hotloop_serve.serve.auth import Authenticator
 from hotloop_serve.serve.session_ids import SessionIds
@@ -249,7 +249,9 @@ class ModelServicer:
             return None
         return convert.settings_from_proto(msg, self.engine.settings_of(sid, principal))
 
-    async def Generate(self, request: spb.GenerateRequest, grpc_context: Any = None) -> AsyncIterator[spb.GenerateChunk]:
+    async def Generate(
+        self, request: spb.GenerateRequest, grpc_context: Any = None
+    ) -> AsyncIterator[spb.GenerateChunk]:
         """Server-streaming; an await per chunk lets a client's cancel or deadline reach us."""
         stream = None
         try:
@@ -293,8 +295,8 @@ class ModelServicer:
         if request.service not in known:
             set_status(grpc_context, NotFound(f"unknown service {request.service!r}"))
             return health_pb2.HealthCheckResponse()
-        status = health_pb2.HealthCheckResponse.SERVING if self.serving() else health_pb2.HealthCheckResponse.NOT_SERVING
-        return health_pb2.HealthCheckResponse(status=status)
+        reply = health_pb2.HealthCheckResponse
+        return reply(status=reply.SERVING if self.serving() else reply.NOT_SERVING)
 
     async def Watch(self, request: health_pb2.HealthCheckRequest, grpc_context: Any = None) -> AsyncIterator[Any]:
         """Stream the status now and whenever it changes (polled once a second)."""

@@ -82,9 +82,9 @@ def configure_telemetry(
     kind = _choice(env, "METRICS", console)
     readers: list[MetricReader] = list(extra_readers or [])
     if kind in ("otlp", "console"):
-        exporter = _metric_exporter(env) if kind == "otlp" else ConsoleMetricExporter()
+        metric_exporter = _metric_exporter(env) if kind == "otlp" else ConsoleMetricExporter()
         interval = int(env.get("OTEL_METRIC_EXPORT_INTERVAL", "10000"))
-        readers.append(PeriodicExportingMetricReader(exporter, export_interval_millis=interval))
+        readers.append(PeriodicExportingMetricReader(metric_exporter, export_interval_millis=interval))
     if readers:
         meter_provider = MeterProvider(resource=resource, metric_readers=readers)
         metrics.set_meter_provider(meter_provider)
@@ -94,7 +94,6 @@ def configure_telemetry(
 
 def shutdown_telemetry() -> None:
     """Flush and stop exporters (replica shutdown)."""
-    global _configured
     if _configured is None:
         return
     tp, mp = _configured

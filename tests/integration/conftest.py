@@ -11,9 +11,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import pytest
-
 from conftest import free_port
 from hotloop_client import Client
+
 from hotloop_serve.config import Config, config_from_dict
 
 SINGLE = "gemma-3-270m"

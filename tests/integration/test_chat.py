@@ -7,7 +7,6 @@ import threading
 import grpc
 import pytest
 from hotloop.v1 import common_pb2, session_pb2, session_pb2_grpc
-
 from hotloop_client import (
     Client,
     FinishReason,

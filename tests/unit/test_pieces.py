@@ -143,7 +143,7 @@ def test_config_rejects_unknown_keys_and_bad_values() -> None:
     assert Config().models[0].path.startswith("embedded:")
     with pytest.raises(ValueError, match="replicas"):
         config_from_dict({"models": [{"name": "m", "replicas": -1}]})
-    with pytest.raises(ValueError, match="extra|unexpected"):
+    with pytest.raises(ValueError, match=r"extra|unexpected"):
         config_from_dict({"models": [{"name": "m", "replica": 2}]})
     with pytest.raises(ValueError, match="unique"):
         config_from_dict({"models": [{"name": "m"}, {"name": "m"}]})
