@@ -98,6 +98,8 @@ class ModelConfig(_Strict):
     limits: Limits = Limits()
     routing: Routing = Routing()
     defaults: DefaultSettings = DefaultSettings()
+    env: dict[str, str] = {}
+    """Environment variables for the model's replicas (e.g. OTEL_* exporter settings)."""
     chat_template: str | None = None
     """A Jinja chat template overriding the model's own (and the built-in fallback)."""
     graceful_shutdown_timeout_s: Annotated[float, Field(ge=0)] = 20.0

@@ -39,6 +39,8 @@ def deployment_options(model: ModelConfig) -> dict[str, Any]:
     actor: dict[str, Any] = {"num_cpus": model.resources.num_cpus, "num_gpus": model.resources.num_gpus}
     if model.resources.memory_bytes:
         actor["memory"] = model.resources.memory_bytes
+    if model.env:
+        actor["runtime_env"] = {"env_vars": dict(model.env)}
     opts: dict[str, Any] = {
         "name": model.name,
         "ray_actor_options": actor,

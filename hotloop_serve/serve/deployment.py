@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from hotloop.v1 import session_pb2 as spb
 from ray import serve
 
 from hotloop_serve.config import config_from_dict
@@ -37,6 +38,7 @@ class ModelReplica(ModelServicer):
             max_sample_len=mcfg.limits.max_sample_len,
         )
         ctx = serve.get_replica_context()
+        self._app, self._deployment = ctx.app_name, ctx.deployment
         self._rank = ctx.rank.rank if ctx.rank is not None else 0
         replica_id = ctx.replica_id.unique_id
         telemetry = Telemetry(mcfg.name, replica_id, engine.stats, tracer_provider, meter_provider)
@@ -51,6 +53,12 @@ class ModelReplica(ModelServicer):
             replica_rank=self._rank,
         )
         log.info("hotloop replica %s (rank %d) serving %s from %s", replica_id, self._rank, mcfg.name, mcfg.path)
+
+    async def route_create(self, request: spb.CreateSessionRequest, principal: str) -> spb.Session:
+        """Through our own deployment's handle, so the affinity router picks the key's owner."""
+        handle = serve.get_deployment_handle(self._deployment, self._app)
+        result: spb.Session = await handle.CreateSessionFor.remote(request, principal)
+        return result
 
     def record_replica_metadata(self) -> dict[str, Any]:
         """Published to the routers: the rank is what session affinity hashes on."""

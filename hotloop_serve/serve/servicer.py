@@ -23,7 +23,7 @@ from hotloop_serve.engine.engine import Engine
 from hotloop_serve.errors import NotFound, ResourceExhausted
 from hotloop_serve.serve import convert
 from hotloop_serve.serve.auth import Authenticator
-from hotloop_serve.serve.session_ids import SessionIds
+from hotloop_serve.serve.session_ids import SessionIds, new_routing_key
 from hotloop_serve.serve.status import set_status
 from hotloop_serve.telemetry import Telemetry
 
@@ -159,14 +159,32 @@ class ModelServicer:
             with self.telemetry.rpc("CreateSession", grpc_context) as span:
                 principal = self._principal(grpc_context)
                 self._check_model(request.model)
-                settings = convert.settings_from_proto(request.settings, self.engine.defaults)
-                sid = self.ids.new(principal, request.session_key)
-                span.set_attribute("hotloop.session_id", sid)
-                self.engine.create_session(sid, principal, settings)
-                return self._session_proto(sid, principal)
+                convert.settings_from_proto(request.settings, self.engine.defaults)  # validate before routing
+                if not request.session_key:
+                    # A stock client sent no routing key: pick one, then create the session on the
+                    # replica that will own it (the trap: settings stored here, turns served there).
+                    keyed = spb.CreateSessionRequest()
+                    keyed.CopyFrom(request)
+                    keyed.session_key = new_routing_key()
+                    session = await self.route_create(keyed, principal)
+                else:
+                    session = await self.CreateSessionFor(request, principal)
+                span.set_attribute("hotloop.session_id", session.id)
+                return session
         except BaseException as e:
             set_status(grpc_context, e)
             return spb.Session()
+
+    async def CreateSessionFor(self, request: spb.CreateSessionRequest, principal: str) -> spb.Session:
+        """Create a keyed session here (this replica owns the key); no auth: callers did it."""
+        settings = convert.settings_from_proto(request.settings, self.engine.defaults)
+        sid = self.ids.new(principal, request.session_key)
+        self.engine.create_session(sid, principal, settings)
+        return self._session_proto(sid, principal)
+
+    async def route_create(self, request: spb.CreateSessionRequest, principal: str) -> spb.Session:
+        """Send a keyed CreateSession to its owner; overridden where replicas exist (deployment.py)."""
+        return await self.CreateSessionFor(request, principal)
 
     async def GetSession(self, request: spb.GetSessionRequest, grpc_context: Any = None) -> spb.Session:
         try:

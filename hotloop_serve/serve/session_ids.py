@@ -25,6 +25,10 @@ def routing_key(session_id: str) -> str:
     return session_id.split(".", 1)[0]
 
 
+def new_routing_key() -> str:
+    return secrets.token_urlsafe(16)
+
+
 class SessionIds:
     def __init__(self, secret: bytes, model: str) -> None:
         self._secret = secret
@@ -38,7 +42,7 @@ class SessionIds:
         """A signed id for a new session; ``key`` is the client's routing key, if it sent one."""
         if key and not KEY_PATTERN.match(key):
             raise InvalidArgument("session_key must be 8-64 characters of A-Z, a-z, 0-9, '_' or '-'")
-        key = key or secrets.token_urlsafe(16)
+        key = key or new_routing_key()
         return f"{key}.{self._sign(key, principal)}"
 
     def verify(self, session_id: str, principal: str) -> str:

@@ -34,7 +34,7 @@ def integration_config(port: int) -> Config:
             "telemetry": {"enabled": False},
             "models": [
                 {"name": SINGLE, "engine": engine, "resources": {"num_cpus": 1}},
-                {"name": DUO, "replicas": 2, "engine": {**engine, "hot_sessions": 4}, "resources": {"num_cpus": 1}},
+                {"name": DUO, "replicas": 2, "engine": engine, "resources": {"num_cpus": 1}},
             ],
         }
     )

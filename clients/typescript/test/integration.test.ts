@@ -1,0 +1,186 @@
+/**
+ * Integration tests: the client against a real hotloop-serve (Ray Serve's gRPC proxy, a
+ * replica, llama.cpp, the bundled Gemma 3 270M), started once for this file on loopback
+ * (see test/server.ts; HOTLOOP_ADDRESS uses a running server instead).
+ */
+
+import assert from "node:assert/strict";
+import { after, before, describe, test } from "node:test";
+
+import {
+  Cancelled,
+  type Chunk,
+  Client,
+  type Message,
+  InvalidArgument,
+  NotFound,
+  Role,
+  type Settings,
+} from "../src";
+import { MODEL, type RunningServer, startServer } from "./server";
+
+const GREEDY: Settings = { temperature: 0, sampleLen: 16 };
+const HISTORY: Message[] = [
+  { role: Role.SYSTEM, content: "You are a helpful assistant." },
+  { role: Role.USER, content: "Name three colours." },
+];
+
+async function collect(stream: AsyncIterable<Chunk>): Promise<Chunk[]> {
+  const out: Chunk[] = [];
+  for await (const chunk of stream) out.push(chunk);
+  return out;
+}
+
+const text = (chunks: Chunk[]): string => chunks.map((c) => c.text).join("");
+
+describe(`hotloop-serve on loopback (${MODEL})`, () => {
+  let server: RunningServer | undefined;
+  let client: Client;
+
+  before(
+    async () => {
+      server = await startServer();
+      client = new Client(server.address);
+      console.log(`hotloop-serve serving on ${server.address} after ${server.startupS.toFixed(1)} s`);
+    },
+    { timeout: 330_000 },
+  );
+
+  after(
+    async () => {
+      client?.close();
+      const t0 = Date.now();
+      await server?.stop();
+      if (server?.startupS) console.log(`hotloop-serve stopped in ${((Date.now() - t0) / 1000).toFixed(1)} s`);
+    },
+    { timeout: 90_000 },
+  );
+
+  test("listModels (through ListApplications) and model.info()", async () => {
+    assert.ok((await client.applicationNames()).includes(MODEL));
+    const models = await client.listModels();
+    assert.ok(
+      models.some((m) => m.name === MODEL),
+      JSON.stringify(models),
+    );
+    const info = await client.model(MODEL).info();
+    assert.equal(info.name, MODEL);
+    assert.equal(info.architecture, "gemma3");
+    assert.equal(info.contextLength, 4096);
+    assert.ok(info.parameters > 0 && info.sizeBytes > 0 && info.vocabSize > 0);
+    const tokens = await client.model(MODEL).tokenize("Hello world");
+    assert.ok(tokens.length >= 2);
+  });
+
+  test("streams a reply; the second turn reuses the first from the hot cache", async () => {
+    const session = await client.model(MODEL).newSession({ settings: GREEDY });
+    assert.ok(session.id);
+    assert.equal(session.settings.sampleLen, 16);
+    assert.equal(session.settings.temperature, 0);
+
+    const first = await collect(session.generate(HISTORY));
+    assert.ok(first.length > 1, "streamed in several chunks");
+    const last1 = first.at(-1);
+    assert.ok(last1?.isLast && last1.usage && last1.finishReason && last1.servedBy?.replica);
+    const reply = text(first);
+    assert.ok(reply.length > 0);
+    assert.ok(last1.usage.completionTokens <= 16);
+    assert.equal(last1.usage.prefilledTokens + last1.usage.cachedTokens, last1.usage.promptTokens);
+
+    const history: Message[] = [
+      ...HISTORY,
+      { role: "assistant", content: reply },
+      { role: "user", content: "And three animals?" },
+    ];
+    const second = await collect(session.generate(history));
+    const u2 = second.at(-1)?.usage;
+    assert.ok(u2);
+    assert.ok(
+      u2.cachedTokens >= last1.usage.promptTokens,
+      `cached ${u2.cachedTokens} < first turn's prompt ${last1.usage.promptTokens}`,
+    );
+    assert.equal(u2.cachedTokens + u2.prefilledTokens, u2.promptTokens);
+    assert.ok((await session.context()) >= u2.promptTokens);
+
+    // Greedy is deterministic: a fresh session gives the same first reply.
+    const again = await client.model(MODEL).newSession({ settings: GREEDY });
+    assert.equal(text(await collect(again.generate(HISTORY))), reply);
+    await again.close();
+    await session.close();
+  });
+
+  test("warmup, context, setSettings, clearCache, close", async () => {
+    const session = await client.model(MODEL).newSession({ settings: GREEDY });
+    const system: Message = { role: "system", content: "Always answer in JSON." };
+    const usage = await session.warmup([system]);
+    assert.ok(usage.prefilledTokens > 0);
+    assert.equal(usage.completionTokens, 0);
+    assert.equal(await session.context(), usage.promptTokens);
+
+    const out = await collect(session.generate([system, ["user", "Hi"]], { sampleLen: 4 }));
+    const u = out.at(-1)?.usage;
+    assert.ok(u && u.cachedTokens >= usage.promptTokens - 1 && u.completionTokens <= 4);
+
+    await session.clearCache();
+    assert.equal(await session.context(), 0);
+
+    const settings = await session.setSettings({ temperature: 0, sampleLen: 3 });
+    assert.equal(settings.sampleLen, 3);
+    assert.equal((await session.info()).settings.sampleLen, 3);
+    const capped = await collect(session.generate([["user", "Count to ten."]]));
+    assert.ok((capped.at(-1)?.usage?.completionTokens ?? 99) <= 3);
+
+    await session.close();
+    await session.close(); // idempotent
+    await assert.rejects(session.context(), NotFound);
+  });
+
+  test("an AbortSignal cancels a reply midway", async () => {
+    const session = await client.model(MODEL).newSession({ settings: { temperature: 0, sampleLen: 200 } });
+    const controller = new AbortController();
+    const seen: Chunk[] = [];
+    await assert.rejects(
+      (async () => {
+        for await (const chunk of session.generate([["user", "Write a long story about the sea."]], {
+          signal: controller.signal,
+        })) {
+          seen.push(chunk);
+          if (seen.length === 2) controller.abort();
+        }
+      })(),
+      Cancelled,
+    );
+    assert.equal(seen.length, 2);
+    assert.ok(!seen.some((c) => c.isLast), "cancelled before the end");
+    // The session is free again for the next turn (the server let go of the cancelled one).
+    let after: Chunk[] = [];
+    for (let i = 0; i < 20; i++) {
+      try {
+        after = await collect(session.generate([["user", "Hi"]], { sampleLen: 4 }));
+        break;
+      } catch (err) {
+        if (!(err instanceof Error && err.name === "FailedPrecondition")) throw err;
+        await new Promise((r) => setTimeout(r, 250)); // still winding down the cancelled turn
+      }
+    }
+    assert.ok(after.at(-1)?.isLast);
+    await session.close();
+  });
+
+  test("errors: unknown session is NotFound, bad settings are InvalidArgument", async () => {
+    const unknown = client.model(MODEL).session("no-such-session.id");
+    await assert.rejects(collect(unknown.generate(HISTORY)), NotFound);
+    await assert.rejects(unknown.context(), NotFound);
+
+    const session = await client.model(MODEL).newSession({ settings: GREEDY });
+    await assert.rejects(collect(session.generate(HISTORY, { temperature: -1 })), (err: unknown) => {
+      assert.ok(err instanceof InvalidArgument, String(err));
+      assert.match(err.details, /temperature/);
+      return true;
+    });
+    await assert.rejects(client.model(MODEL).newSession({ settings: { topP: 1.5 } }), InvalidArgument);
+    // Still serving after the errors.
+    assert.ok((await collect(session.generate(HISTORY))).at(-1)?.usage);
+    await session.close();
+  });
+});

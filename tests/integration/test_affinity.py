@@ -1,0 +1,157 @@
+"""Two replicas: every follow-up turn reaches its session's owner; a dead replica loses no turn."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import grpc
+import pytest
+import ray
+from hotloop.v1 import session_pb2, session_pb2_grpc
+
+from hotloop_client import Chunk, Client, Message, Role, Session, Settings, TurnInterrupted
+
+from .conftest import DUO, Server
+
+pytestmark = pytest.mark.integration
+SETTINGS = Settings(temperature=0, sample_len=12)
+
+
+def turn(session: Session, history: list[Message], text: str) -> Chunk:
+    history.append(Message(Role.USER, text))
+    chunks = list(session.generate(history))
+    history.append(Message(Role.ASSISTANT, "".join(c.text for c in chunks)))
+    return chunks[-1]
+
+
+def converse(client: Client, sessions: int, turns: int, concurrent: bool) -> list[list[Chunk]]:
+    model = client.model(DUO)
+    results: list[list[Chunk]] = [[] for _ in range(sessions)]
+
+    def one(i: int) -> None:
+        s = model.new_session(settings=SETTINGS)
+        history = [Message(Role.SYSTEM, f"You are assistant number {i}.")]
+        for t in range(turns):
+            results[i].append(turn(s, history, f"Session {i}, question {t}: say something."))
+        s.close()
+
+    if concurrent:
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(sessions)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join(300)
+    else:
+        for i in range(sessions):
+            one(i)
+    return results
+
+
+def affinity_share(results: list[list[Chunk]]) -> float:
+    follow_ups = hits = 0
+    for finals in results:
+        owner = finals[0].served_by.replica  # type: ignore[union-attr]
+        for c in finals[1:]:
+            follow_ups += 1
+            assert c.usage is not None and c.served_by is not None
+            reused = c.usage.cached_tokens + c.usage.restored_tokens  # hot, or restored from the replica's RAM
+            hits += c.served_by.replica == owner and c.served_by.cache_hit and reused > 0
+    return hits / follow_ups
+
+
+@pytest.mark.parametrize("concurrent", [False, True], ids=["sequential", "concurrent"])
+def test_follow_ups_land_on_the_owner_and_reuse_its_cache(client: Client, concurrent: bool) -> None:
+    results = converse(client, sessions=12, turns=4, concurrent=concurrent)
+    assert all(len(r) == 4 for r in results)
+    share = affinity_share(results)
+    print(f"\naffinity ({'concurrent' if concurrent else 'sequential'}): {share:.1%} of 36 follow-ups hit")
+    assert share >= 0.99
+    replicas = {r[0].served_by.replica for r in results}  # type: ignore[union-attr]
+    assert len(replicas) == 2  # sessions spread over both replicas
+
+
+def test_create_session_without_a_key_lands_on_the_owner(server: Server) -> None:
+    """A stock client that sends no routing key: settings must still be where the turns go."""
+    md = [("application", DUO)]
+    with grpc.insecure_channel(server.address) as channel:
+        stub = session_pb2_grpc.SessionServiceStub(channel)
+        for _ in range(6):
+            created = stub.CreateSession(
+                session_pb2.CreateSessionRequest(model=DUO, settings={"sample_len": 3, "temperature": 0}), metadata=md
+            )
+            got = stub.GetSession(session_pb2.GetSessionRequest(session_id=created.id), metadata=md)
+            assert got.served_by.replica == created.served_by.replica
+            assert got.settings.sample_len == 3
+            msgs = [{"role": "ROLE_USER", "content": "Tell me a long story."}]
+            final = list(stub.Generate(session_pb2.GenerateRequest(session_id=created.id, messages=msgs), metadata=md))
+            assert final[-1].usage.completion_tokens <= 3
+
+
+def replica_actors() -> list[str]:
+    """Names of the duo app's live replica actors (named actors need no dashboard)."""
+    named = ray.util.list_named_actors(all_namespaces=True)
+    return [a["name"] for a in named if a["name"].startswith(f"SERVE_REPLICA::{DUO}#")]
+
+
+def wait_for_replicas(n: int, timeout: float = 120) -> None:
+    """Until Serve reports ``n`` RUNNING replicas, plus a moment for the proxies to hear of it."""
+    from ray import serve
+
+    deadline = time.monotonic() + timeout
+    while serve.status().applications[DUO].deployments[DUO].replica_states.get("RUNNING", 0) < n:
+        assert time.monotonic() < deadline, "replica was not replaced"
+        time.sleep(0.5)
+    time.sleep(3)
+
+
+def test_killing_a_replica_loses_no_turn(client: Client) -> None:
+    model = client.model(DUO)
+    sessions = [model.new_session(settings=SETTINGS) for _ in range(6)]
+    histories: list[list[Message]] = [[] for _ in sessions]
+    firsts = [turn(s, h, "Hello, who are you?").served_by for s, h in zip(sessions, histories)]
+    victim_id = firsts[0].replica  # type: ignore[union-attr]
+    victim = next(name for name in replica_actors() if name.endswith(victim_id))
+    ray.kill(ray.get_actor(victim, namespace="serve"), no_restart=False)
+    for s, h in zip(sessions, histories):  # every conversation continues
+        final = turn(s, h, "Tell me more.")
+        assert final.usage is not None and final.usage.completion_tokens > 0
+    assert all(len(h) == 4 for h in histories)  # two user turns + two replies each: none lost or doubled
+    wait_for_replicas(2)
+    for s, h, first in zip(sessions, histories, firsts):
+        # The replacement inherits the dead replica's rank and takes back exactly its sessions
+        # (rebuilding their caches from history once); the others stay where they were.
+        final = turn(s, h, "And finally?")
+        assert final.served_by is not None and first is not None
+        assert final.served_by.replica_rank == first.replica_rank
+        again = turn(s, h, "One more thing.")
+        assert again.usage is not None and again.usage.cached_tokens > 0
+
+
+def test_replica_killed_mid_stream(client: Client) -> None:
+    wait_for_replicas(2)
+    session = client.model(DUO).new_session(settings=Settings(temperature=0, sample_len=400))
+    history = [Message(Role.USER, "Write a very long story about a lighthouse keeper.")]
+    received: list[str] = []
+    error: list[BaseException] = []
+
+    def stream() -> None:
+        try:
+            for c in session.generate(history):
+                received.append(c.text)
+        except BaseException as e:
+            error.append(e)
+
+    th = threading.Thread(target=stream)
+    th.start()
+    while not received:
+        time.sleep(0.01)
+    owner = session.info().served_by.replica  # type: ignore[union-attr]
+    ray.kill(ray.get_actor(next(n for n in replica_actors() if n.endswith(owner)), namespace="serve"))
+    th.join(120)
+    assert error and isinstance(error[0], TurnInterrupted)
+    assert error[0].partial_text == "".join(received)
+    # The caller's history is unchanged; retrying the turn works (on the next-ranked replica).
+    final = list(session.generate(history))[-1]
+    assert final.usage is not None and final.usage.completion_tokens > 0
+    wait_for_replicas(2)
