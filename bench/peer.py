@@ -198,6 +198,10 @@ class ManagedProcess:
             cwd=REPO,
         )
         self._known: dict[int, float] = {}
+        self.stop_s: float | None = None
+        """Seconds from SIGINT to exit (None until stopped)."""
+        self.killed = False
+        """True if SIGINT did not stop it within the grace period and SIGKILL did."""
 
     def remember_tree(self) -> None:
         """Note every descendant (pid + create time), so stop() can find stragglers."""
@@ -217,15 +221,18 @@ class ManagedProcess:
 
     def stop(self) -> None:
         self.remember_tree()
+        t0 = time.perf_counter()
         if self.alive():
             with contextlib.suppress(ProcessLookupError):
                 self.proc.send_signal(signal.SIGINT)
             try:
                 self.proc.wait(timeout=STOP_GRACE_S)
             except subprocess.TimeoutExpired:
+                self.killed = True
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait(timeout=30)
+        self.stop_s = time.perf_counter() - t0
         self._kill_stragglers()
         self._log.close()
 
@@ -564,13 +571,24 @@ class HotloopConversation:
 # ---------------------------------------------------------------------------------------
 
 
-class RssSampler:
-    """Peak RSS of a process tree, summed, every 0.2 s (Ray spawns workers below the server).
+def _busy_cpu_s() -> float:
+    """CPU seconds the whole machine has spent busy since boot (all cores)."""
+    t = psutil.cpu_times()
+    return float(t.user + t.nice + t.system + getattr(t, "irq", 0.0) + getattr(t, "softirq", 0.0))
 
-    The sum counts shared pages (the mmapped model file, shared libraries) once per
+
+class RssSampler:
+    """Peak RSS of a process tree, summed, every 0.2 s (Ray spawns workers below the server),
+    and where the machine's CPU time went during the run.
+
+    The RSS sum counts shared pages (the mmapped model file, shared libraries) once per
     process, so it overstates what the tree costs the machine; it is the figure ``ps``
     users would add up. ``on_low_memory`` runs once if the machine runs short (see
     MEMORY_FLOOR).
+
+    CPU: other people's jobs share these cores, so the report says how many cores' worth of
+    CPU went to processes that are neither the server tree nor this client ("other");
+    a run with other > 0.5 on 2 cores was measured on a busy machine.
     """
 
     def __init__(self, pid: int, on_low_memory: Callable[[], None], interval_s: float = 0.2) -> None:
@@ -579,23 +597,51 @@ class RssSampler:
         self.peak_bytes = 0
         self.peak_processes = 0
         self.low_memory = False
+        self.server_cpu_s = 0.0
+        self.client_cpu_s = 0.0
+        self.machine_cpu_s = 0.0
         self._on_low_memory = on_low_memory
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="rss-sampler", daemon=True)
+        self._cpu_first: dict[tuple[int, float], float] = {}
+        self._cpu_last: dict[tuple[int, float], float] = {}
+        self._started = False
+        self._me = psutil.Process()
 
     def __enter__(self) -> RssSampler:
+        self._machine0 = _busy_cpu_s()
+        t = self._me.cpu_times()
+        self._client0 = t.user + t.system
+        self.sample()  # baseline CPU of the processes already running (startup, warmup)
+        self._started = True
         self._thread.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
         self._thread.join()
+        self.sample()
+        self.machine_cpu_s = _busy_cpu_s() - self._machine0
+        t = self._me.cpu_times()
+        self.client_cpu_s = t.user + t.system - self._client0
+        self.server_cpu_s = sum(self._cpu_last[k] - self._cpu_first[k] for k in self._cpu_last)
+
+    @property
+    def other_cpu_s(self) -> float:
+        return max(0.0, self.machine_cpu_s - self.server_cpu_s - self.client_cpu_s)
 
     def sample(self) -> int:
         total, n = 0, 0
         for p in process_tree(self.pid):
             with contextlib.suppress(psutil.Error):
-                total += p.memory_info().rss
+                with p.oneshot():
+                    total += p.memory_info().rss
+                    t = p.cpu_times()
+                    key = (p.pid, p.create_time())
+                cpu = t.user + t.system
+                # a process born during the run starts from 0; one running before, from now
+                self._cpu_first.setdefault(key, cpu if not self._started else 0.0)
+                self._cpu_last[key] = cpu
                 n += 1
         self.peak_processes = max(self.peak_processes, n)
         return total
@@ -682,6 +728,12 @@ class SystemResult:
     wall_s: float = 0.0
     peak_rss_bytes: int = 0
     peak_processes: int = 0
+    server_cpu_s: float = 0.0
+    client_cpu_s: float = 0.0
+    other_cpu_s: float = 0.0
+    """CPU seconds used by processes other than the server tree and this client (other jobs)."""
+    stop_s: float | None = None
+    killed_on_stop: bool = False
     startup_s: float = 0.0
     load_avg_before: tuple[float, float, float] = (0.0, 0.0, 0.0)
     aborted: str | None = None
@@ -732,6 +784,8 @@ def run_system(server: Server, workload: Workload, log_dir: Path) -> SystemResul
             process.remember_tree()
         result.peak_rss_bytes = sampler.peak_bytes
         result.peak_processes = sampler.peak_processes
+        result.server_cpu_s, result.client_cpu_s = sampler.server_cpu_s, sampler.client_cpu_s
+        result.other_cpu_s = sampler.other_cpu_s
         result.turns = sorted(records, key=lambda r: (r.session, r.turn))
         for conv in convs:
             conv.close()
@@ -741,6 +795,8 @@ def run_system(server: Server, workload: Workload, log_dir: Path) -> SystemResul
     finally:
         print(f"[{server.key}] stopping ...", flush=True)
         server.stop()
+        with contextlib.suppress(AssertionError):
+            result.stop_s, result.killed_on_stop = server.process.stop_s, server.process.killed
     result.notes = server.notes()
     result.summary = summarize(result, workload.spec)
     return result
@@ -794,6 +850,8 @@ def summarize(result: SystemResult, spec: WorkloadSpec) -> dict[str, Any]:
         "per_session_tok_s_median": statistics.median(per_session) if per_session else None,
         "wall_s": result.wall_s,
         "peak_rss_gib": result.peak_rss_bytes / GiB,
+        "other_jobs_cores": result.other_cpu_s / result.wall_s if result.wall_s > 0 else None,
+        "server_cores": result.server_cpu_s / result.wall_s if result.wall_s > 0 else None,
         "followup_cached_prompt_share": cached_share,
         "replicas_seen": sorted({r.replica for r in ok if r.replica}),
     }
@@ -874,7 +932,13 @@ def markdown(results: list[SystemResult], workload: Workload, machine: dict[str,
             extra.append(f"errors {r.summary['errors']}, empty replies {r.summary['empty_replies']}")
         if r.aborted:
             extra.append(f"aborted: {r.aborted.splitlines()[0]}")
-        extra.append(f"startup {r.startup_s:.1f} s, load average before the run {r.load_avg_before[0]:.2f}")
+        extra.append(
+            f"CPU during the run: server {_fmt(r.summary.get('server_cores'))} cores, "
+            f"other jobs {_fmt(r.summary.get('other_jobs_cores'))} cores"
+        )
+        extra.append(f"startup {r.startup_s:.1f} s, stop {_fmt(r.stop_s, 1)} s")
+        if r.killed_on_stop:
+            extra.append(f"did not exit within {STOP_GRACE_S:.0f} s of SIGINT: killed")
         lines.append(f"- ({r.key}): " + "; ".join(extra) + ".")
     return "\n".join(lines) + "\n"
 

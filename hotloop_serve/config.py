@@ -104,6 +104,20 @@ class ModelConfig(_Strict):
     """A Jinja chat template overriding the model's own (and the built-in fallback)."""
     graceful_shutdown_timeout_s: Annotated[float, Field(ge=0)] = 20.0
 
+    @model_validator(mode="after")
+    def _defaults_within_limits(self) -> ModelConfig:
+        if self.defaults.sample_len is not None and self.defaults.sample_len > self.limits.max_sample_len:
+            limit = self.limits.max_sample_len
+            raise ValueError(f"defaults.sample_len ({self.defaults.sample_len}) > limits.max_sample_len ({limit})")
+        return self
+
+    def default_settings(self) -> dict[str, Any]:
+        """The defaults given, with sample_len capped to the server's limit when not given."""
+        given = {k: v for k, v in self.defaults.model_dump().items() if v is not None}
+        if "sample_len" not in given and self.limits.max_sample_len < 256:
+            given["sample_len"] = self.limits.max_sample_len
+        return given
+
     @field_validator("name")
     @classmethod
     def _name(cls, v: str) -> str:

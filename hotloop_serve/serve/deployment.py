@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any
 
@@ -28,7 +29,7 @@ class ModelReplica(ModelServicer):
         cfg = config_from_dict(config)
         mcfg = cfg.model(model)
         tracer_provider, meter_provider = configure_telemetry(cfg.telemetry.enabled, cfg.telemetry.console)
-        defaults = SamplingSettings().merged(**mcfg.defaults.model_dump())
+        defaults = SamplingSettings().merged(**mcfg.default_settings())
         engine = Engine(
             str(resolve_model_path(mcfg.path)),
             mcfg.engine,
@@ -59,6 +60,10 @@ class ModelReplica(ModelServicer):
         handle = serve.get_deployment_handle(self._deployment, self._app)
         result: spb.Session = await handle.CreateSessionFor.remote(request, principal)
         return result
+
+    def stats(self) -> dict[str, Any]:
+        """The engine's counters (for operators' scripts and leak checks), via a deployment handle."""
+        return dataclasses.asdict(self.engine.stats())
 
     def record_replica_metadata(self) -> dict[str, Any]:
         """Published to the routers: the rank is what session affinity hashes on."""

@@ -9,7 +9,6 @@ import grpc
 import pytest
 import ray
 from hotloop.v1 import session_pb2, session_pb2_grpc
-
 from hotloop_client import Chunk, Client, Message, Role, Session, Settings, TurnInterrupted
 
 from .conftest import DUO, Server
@@ -109,16 +108,16 @@ def test_killing_a_replica_loses_no_turn(client: Client) -> None:
     model = client.model(DUO)
     sessions = [model.new_session(settings=SETTINGS) for _ in range(6)]
     histories: list[list[Message]] = [[] for _ in sessions]
-    firsts = [turn(s, h, "Hello, who are you?").served_by for s, h in zip(sessions, histories)]
+    firsts = [turn(s, h, "Hello, who are you?").served_by for s, h in zip(sessions, histories, strict=True)]
     victim_id = firsts[0].replica  # type: ignore[union-attr]
     victim = next(name for name in replica_actors() if name.endswith(victim_id))
     ray.kill(ray.get_actor(victim, namespace="serve"), no_restart=False)
-    for s, h in zip(sessions, histories):  # every conversation continues
+    for s, h in zip(sessions, histories, strict=True):  # every conversation continues
         final = turn(s, h, "Tell me more.")
         assert final.usage is not None and final.usage.completion_tokens > 0
     assert all(len(h) == 4 for h in histories)  # two user turns + two replies each: none lost or doubled
     wait_for_replicas(2)
-    for s, h, first in zip(sessions, histories, firsts):
+    for s, h, first in zip(sessions, histories, firsts, strict=True):
         # The replacement inherits the dead replica's rank and takes back exactly its sessions
         # (rebuilding their caches from history once); the others stay where they were.
         final = turn(s, h, "And finally?")

@@ -12,14 +12,13 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+from hotloop_client import Client, Message, Role, Settings
 from opentelemetry import trace
 from opentelemetry.proto.collector.metrics.v1 import metrics_service_pb2, metrics_service_pb2_grpc
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 from opentelemetry.sdk.trace import TracerProvider
 from ray import serve
 
-from conftest import free_port
-from hotloop_client import Client, Message, Role, Settings
 from hotloop_serve.serve.app import model_app
 
 from .conftest import SINGLE, Server
@@ -36,7 +35,7 @@ class Receiver(trace_service_pb2_grpc.TraceServiceServicer, metrics_service_pb2_
         self.metrics: set[str] = set()
         self.lock = threading.Lock()
 
-    def Export(self, request: Any, context: Any) -> Any:  # noqa: N802 (gRPC method name)
+    def Export(self, request: Any, context: Any) -> Any:
         with self.lock:
             if isinstance(request, trace_service_pb2.ExportTraceServiceRequest):
                 for rs in request.resource_spans:
