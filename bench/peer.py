@@ -101,6 +101,10 @@ class TurnRecord:
     """hotloop only: prompt tokens reused from the session's hot cache."""
     prefilled_tokens: int | None = None
     replica: str | None = None
+    server_queue_ms: float | None = None
+    server_prefill_ms: float | None = None
+    server_decode_ms: float | None = None
+    """hotloop only: the server's own timings of this request."""
     error: str | None = None
     text: str = field(default="", repr=False)
 
@@ -115,6 +119,9 @@ class Reply:
     cached_tokens: int | None = None
     prefilled_tokens: int | None = None
     replica: str | None = None
+    queue_ms: float | None = None
+    prefill_ms: float | None = None
+    decode_ms: float | None = None
 
 
 class Conversation(Protocol):
@@ -274,21 +281,21 @@ class PeerServer:
     - ``--logits_all false``: the default keeps the scores of every prompt token.
     - ``--cache true``: its RAM prompt cache, so a follow-up turn can restore its session's
       state instead of prefilling ~1,000 tokens again.
-    - ``--cache_size``: 2 states per session (64 MiB each at most here). Every cache entry
-      also copies a 512 MiB score array that the size limit does not count; with the default
-      2 GiB limit nothing is ever evicted and 8 sessions x 4 turns reach ~18 GiB on this
-      23 GiB machine that other jobs share. Two entries per session keep every follow-up a
-      hit (LRU: a session's newest entry is never the oldest) and halve the peak.
+    - ``--cache_size`` left at its default (2 GiB). Beware: every cache entry also copies a
+      512 MiB score array (n_batch x vocabulary floats) that this limit does not count, and
+      an entry is ~20 MB of KV state here, so 8 sessions x 4 turns never evict and the
+      server reaches ~18 GiB. That is what its users get, so it is what is measured; the
+      memory guard (MEMORY_FLOOR) kills it if the machine runs short.
     - ``--n_threads`` / ``--n_threads_batch``: every core, as hotloop uses.
     """
 
     key = "a"
 
-    def __init__(self, model_path: Path, threads: int, sessions: int) -> None:
+    def __init__(self, model_path: Path, threads: int) -> None:
         self.model_path = model_path
         self.threads = threads
         self.port = free_port()
-        self.cache_size = max(256 * MiB, sessions * 2 * 64 * MiB)
+        self.cache_size = 2 * GiB  # llama-cpp-python's default, stated for the record
         self.label = "llama-cpp-python server"
         self.args = [
             str(VENV_PYTHON), "-m", "llama_cpp.server",
@@ -299,7 +306,7 @@ class PeerServer:
             "--chat_format", "gemma",
             "--interrupt_requests", "false",
             "--logits_all", "false",
-            "--cache", "true", "--cache_type", "ram", "--cache_size", str(self.cache_size),
+            "--cache", "true", "--cache_type", "ram",
             "--verbose", "true",
         ]  # fmt: skip
         self.config: dict[str, Any] = {"command": " ".join(self.args[1:])}
@@ -353,12 +360,20 @@ class PeerServer:
             return {}
         log = self._proc.log_path.read_text(errors="replace")
         evals = [int(m) for m in re.findall(r"prompt eval time =\s*[\d.]+ ms /\s*(\d+) tokens", log)]
+        decodes = [
+            int(n) / (float(ms) / 1000)
+            for ms, n in re.findall(r"\beval time =\s*([\d.]+) ms /\s*(\d+) runs", log)
+            if int(n) >= 8 and float(ms) > 0
+        ]
         return {
             "prompt_cache_loads": log.count("Llama._create_completion: cache hit"),
             "prompt_cache_misses": log.count("Llama._create_completion: cache miss"),
             "requests_logged": len(evals),
             "requests_evaluating_under_100_prompt_tokens": sum(1 for n in evals if n < 100),
             "prompt_tokens_evaluated": evals,
+            "server_decode_tok_s": [round(x, 2) for x in decodes],
+            "server_decode_tok_s_median": statistics.median(decodes) if decodes else None,
+            "server_decode_tok_s_min": min(decodes) if decodes else None,
             "cache_size_bytes": self.cache_size,
         }
 
@@ -559,6 +574,9 @@ class HotloopConversation:
                     cached_tokens=u.cached_tokens,
                     prefilled_tokens=u.prefilled_tokens,
                     replica=chunk.served_by.replica if chunk.served_by else None,
+                    queue_ms=chunk.timings.queue_ms if chunk.timings else None,
+                    prefill_ms=chunk.timings.prefill_ms if chunk.timings else None,
+                    decode_ms=chunk.timings.decode_ms if chunk.timings else None,
                 )
 
     def close(self) -> None:
@@ -689,6 +707,8 @@ def run_session(
         rec.tokens, rec.finish = reply.tokens, reply.finish
         rec.prompt_tokens, rec.cached_tokens = reply.prompt_tokens, reply.cached_tokens
         rec.prefilled_tokens, rec.replica = reply.prefilled_tokens, reply.replica
+        rec.server_queue_ms, rec.server_prefill_ms = reply.queue_ms, reply.prefill_ms
+        rec.server_decode_ms = reply.decode_ms
         with lock:
             records.append(rec)
         if rec.error is not None:
@@ -742,10 +762,10 @@ class SystemResult:
     summary: dict[str, Any] = field(default_factory=dict)
 
 
-def run_system(server: Server, workload: Workload, log_dir: Path) -> SystemResult:
+def run_system(server: Server, workload: Workload, log_dir: Path, prefix: str = "peer") -> SystemResult:
     """Start ``server``, warm it, run the workload with every session at once, stop it."""
     result = SystemResult(key=server.key, label=server.label, config=server.config)
-    log_path = log_dir / f"peer_{server.key}.log"
+    log_path = log_dir / f"{prefix}_{server.key}.log"
     print(f"[{server.key}] starting {server.label} (log {log_path}) ...", flush=True)
     t_start = time.perf_counter()
     try:
@@ -890,8 +910,9 @@ def markdown(results: list[SystemResult], workload: Workload, machine: dict[str,
         f"Machine: {machine['cores']} cores ({machine['cpu']}), {machine['memory_gib']} GiB RAM, {machine['date']}.",
         "",
         "| system | follow-up TTFT median (s) | follow-up TTFT p90 (s) | first-turn TTFT median (s) "
-        "| aggregate tok/s | per-session tok/s (median) | wall (s) | peak RSS (GiB) | turns ok |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| aggregate tok/s | per-session tok/s (median) | wall (s) | peak RSS (GiB) | turns ok "
+        "| other jobs' CPU (cores) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in results:
         s = r.summary
@@ -900,7 +921,7 @@ def markdown(results: list[SystemResult], workload: Workload, machine: dict[str,
             f"| {name} | {_fmt(s['followup_ttft_median_s'], 3)} | {_fmt(s['followup_ttft_p90_s'], 3)} "
             f"| {_fmt(s['first_ttft_median_s'], 3)} | {_fmt(s['aggregate_tok_s'], 1)} "
             f"| {_fmt(s['per_session_tok_s_median'], 1)} | {_fmt(s['wall_s'], 1)} | {_fmt(s['peak_rss_gib'], 2)} "
-            f"| {s['turns_ok']}/{s['turns_expected']} |"
+            f"| {s['turns_ok']}/{s['turns_expected']} | {_fmt(s.get('other_jobs_cores'))} |"
         )
     by_key = {r.key: r.summary for r in results}
     lines.append("")
@@ -922,7 +943,9 @@ def markdown(results: list[SystemResult], workload: Workload, machine: dict[str,
             extra.append(
                 f"prompt-cache states loaded {r.notes['prompt_cache_loads']}; requests that evaluated < 100 prompt "
                 f"tokens {r.notes['requests_evaluating_under_100_prompt_tokens']} of {r.notes['requests_logged']} "
-                "(2 warmup requests included)"
+                "(2 warmup requests included); its own log's decode rate per request: median "
+                f"{_fmt(r.notes.get('server_decode_tok_s_median'), 1)} tok/s, slowest "
+                f"{_fmt(r.notes.get('server_decode_tok_s_min'), 1)} tok/s"
             )
         if r.summary.get("replicas_seen"):
             extra.append(f"replicas that served turns: {len(r.summary['replicas_seen'])}")
@@ -1018,13 +1041,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     machine = machine_facts()
     print(f"machine: {machine}; workload: {describe(workload)}", flush=True)
     factories: dict[str, Callable[[], Server]] = {
-        "a": lambda: PeerServer(model_path, args.threads, spec.sessions),
+        "a": lambda: PeerServer(model_path, args.threads),
         "b": lambda: HotloopServer("b", 1, args.threads),
         "c": lambda: HotloopServer("c", 2, args.threads),
     }
     results: list[SystemResult] = []
     for key in systems:  # one server at a time: they would fight over the same cores
-        results.append(run_system(factories[key](), workload, log_dir))
+        results.append(run_system(factories[key](), workload, log_dir, prefix))
         print(f"[{key}] {json.dumps({k: v for k, v in results[-1].summary.items()}, default=str)}", flush=True)
 
     report = markdown(results, workload, machine)

@@ -129,7 +129,7 @@ def test_killing_a_replica_loses_no_turn(client: Client) -> None:
 
 def test_replica_killed_mid_stream(client: Client) -> None:
     wait_for_replicas(2)
-    session = client.model(DUO).new_session(settings=Settings(temperature=0, sample_len=400))
+    session = client.model(DUO).new_session(settings=Settings(temperature=0, sample_len=200))
     history = [Message(Role.USER, "Write a very long story about a lighthouse keeper.")]
     received: list[str] = []
     error: list[BaseException] = []
@@ -151,6 +151,6 @@ def test_replica_killed_mid_stream(client: Client) -> None:
     assert error and isinstance(error[0], TurnInterrupted)
     assert error[0].partial_text == "".join(received)
     # The caller's history is unchanged; retrying the turn works (on the next-ranked replica).
-    final = list(session.generate(history))[-1]
+    final = list(session.generate(history, sample_len=8))[-1]
     assert final.usage is not None and final.usage.completion_tokens > 0
     wait_for_replicas(2)
