@@ -209,6 +209,8 @@ class ManagedProcess:
         """Seconds from SIGINT to exit (None until stopped)."""
         self.killed = False
         """True if SIGINT did not stop it within the grace period and SIGKILL did."""
+        self.stuck_state: dict[str, str] = {}
+        """Per-thread pending signals and wait channels of a server that ignored SIGINT."""
 
     def remember_tree(self) -> None:
         """Note every descendant (pid + create time), so stop() can find stragglers."""
@@ -236,12 +238,30 @@ class ManagedProcess:
                 self.proc.wait(timeout=STOP_GRACE_S)
             except subprocess.TimeoutExpired:
                 self.killed = True
+                self.stuck_state = self._signal_state()
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait(timeout=30)
         self.stop_s = time.perf_counter() - t0
         self._kill_stragglers()
         self._log.close()
+
+    def _signal_state(self) -> dict[str, str]:
+        """Where each thread of a server that ignored SIGINT waits, and what it has pending
+        (for a bug report: a main thread in ``sigwait`` with SIGINT unblocked never sees a
+        SIGINT the kernel delivered to another thread)."""
+        state: dict[str, str] = {}
+        task_dir = Path(f"/proc/{self.proc.pid}/task")
+        with contextlib.suppress(OSError):
+            for task in sorted(task_dir.iterdir(), key=lambda t: int(t.name)):
+                with contextlib.suppress(OSError):
+                    status = (task / "status").read_text().splitlines()
+                    fields = {ln.split(":")[0]: ln.split(":", 1)[1].strip() for ln in status if ":" in ln}
+                    state[f"{task.name} {(task / 'comm').read_text().strip()}"] = (
+                        f"wchan={(task / 'wchan').read_text().strip()} SigPnd={fields.get('SigPnd')} "
+                        f"ShdPnd={fields.get('ShdPnd')} SigBlk={fields.get('SigBlk')}"
+                    )
+        return state
 
     def kill(self) -> None:
         """Immediate stop (memory guard): the group, then every remembered descendant."""
@@ -673,6 +693,46 @@ class RssSampler:
             self._stop.wait(self.interval_s)
 
 
+def tree_cpu_s(pid: int) -> float:
+    """CPU seconds used so far by a process and its live descendants."""
+    total = 0.0
+    for p in process_tree(pid):
+        with contextlib.suppress(psutil.Error):
+            t = p.cpu_times()
+            total += t.user + t.system
+    return total
+
+
+def other_jobs_cores(server_pid: int, window_s: float = 5.0) -> float:
+    """Cores' worth of CPU used by processes other than the server tree and this client."""
+    me = psutil.Process()
+
+    def own() -> float:
+        t = me.cpu_times()
+        return float(t.user + t.system)
+
+    m0, s0, c0 = _busy_cpu_s(), tree_cpu_s(server_pid), own()
+    time.sleep(window_s)
+    m1, s1, c1 = _busy_cpu_s(), tree_cpu_s(server_pid), own()
+    return max(0.0, (m1 - m0) - (s1 - s0) - (c1 - c0)) / window_s
+
+
+def wait_until_quiet(server_pid: int, max_wait_s: float, threshold_cores: float = 0.3) -> float:
+    """Wait (at most ``max_wait_s``) until other jobs use under ``threshold_cores``.
+
+    Other engineers' tests share this 2-core machine; with llama.cpp's threads on every
+    core, one busy neighbour slows decoding many-fold (its threads meet at a barrier per
+    graph node). Starting in a quiet moment does not keep the run quiet, but it avoids
+    starting in the middle of someone's test. Returns the last measured figure.
+    """
+    deadline = time.monotonic() + max_wait_s
+    while True:
+        other = other_jobs_cores(server_pid)
+        if other < threshold_cores or time.monotonic() >= deadline:
+            return other
+        print(f"  other jobs use {other:.2f} cores; waiting for a quieter moment ...", flush=True)
+
+
 # ---------------------------------------------------------------------------------------
 # Driving the workload
 # ---------------------------------------------------------------------------------------
@@ -752,8 +812,11 @@ class SystemResult:
     client_cpu_s: float = 0.0
     other_cpu_s: float = 0.0
     """CPU seconds used by processes other than the server tree and this client (other jobs)."""
+    other_cores_before: float | None = None
+    """Other jobs' CPU just before the run (measured with --wait-quiet)."""
     stop_s: float | None = None
     killed_on_stop: bool = False
+    stuck_state: dict[str, str] = field(default_factory=dict)
     startup_s: float = 0.0
     load_avg_before: tuple[float, float, float] = (0.0, 0.0, 0.0)
     aborted: str | None = None
@@ -762,7 +825,9 @@ class SystemResult:
     summary: dict[str, Any] = field(default_factory=dict)
 
 
-def run_system(server: Server, workload: Workload, log_dir: Path, prefix: str = "peer") -> SystemResult:
+def run_system(
+    server: Server, workload: Workload, log_dir: Path, prefix: str = "peer", wait_quiet_s: float = 0.0
+) -> SystemResult:
     """Start ``server``, warm it, run the workload with every session at once, stop it."""
     result = SystemResult(key=server.key, label=server.label, config=server.config)
     log_path = log_dir / f"{prefix}_{server.key}.log"
@@ -776,6 +841,8 @@ def run_system(server: Server, workload: Workload, log_dir: Path, prefix: str = 
         convs = [server.conversation(s, workload.spec) for s in workload.sessions]
         process = server.process
         process.remember_tree()
+        if wait_quiet_s > 0:
+            result.other_cores_before = wait_until_quiet(server.pid, wait_quiet_s)
         result.load_avg_before = os.getloadavg()
         records: list[TurnRecord] = []
         lock = threading.Lock()
@@ -817,6 +884,7 @@ def run_system(server: Server, workload: Workload, log_dir: Path, prefix: str = 
         server.stop()
         with contextlib.suppress(AssertionError):
             result.stop_s, result.killed_on_stop = server.process.stop_s, server.process.killed
+            result.stuck_state = server.process.stuck_state
     result.notes = server.notes()
     result.summary = summarize(result, workload.spec)
     return result
@@ -1013,6 +1081,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="tiny workload (2 sessions x 2 turns) for a smoke test")
     p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)), help="CPU threads per server")
     p.add_argument("--out", type=Path, default=RESULTS, help="results folder (default bench/results)")
+    p.add_argument(
+        "--wait-quiet",
+        type=float,
+        default=300.0,
+        metavar="S",
+        help="before each system's run, wait up to S seconds for other jobs to go quiet (0: don't)",
+    )
+    p.add_argument("--tag", default=None, help="output file prefix (default peer, or peer_quick with --quick)")
     return p.parse_args(argv)
 
 
@@ -1025,10 +1101,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     if args.quick:
         spec = WorkloadSpec(sessions=2, turns=2, sample_len=8, first_turn_words=150)
-        prefix = "peer_quick"
+        prefix = args.tag or "peer_quick"
     else:
         spec = WorkloadSpec(sessions=args.sessions, turns=args.turns, sample_len=args.sample_len)
-        prefix = "peer"
+        prefix = args.tag or "peer"
     workload = build_workload(spec)
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)
@@ -1047,7 +1123,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     }
     results: list[SystemResult] = []
     for key in systems:  # one server at a time: they would fight over the same cores
-        results.append(run_system(factories[key](), workload, log_dir, prefix))
+        results.append(run_system(factories[key](), workload, log_dir, prefix, args.wait_quiet))
         print(f"[{key}] {json.dumps({k: v for k, v in results[-1].summary.items()}, default=str)}", flush=True)
 
     report = markdown(results, workload, machine)
