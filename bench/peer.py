@@ -1026,6 +1026,7 @@ def markdown(results: list[SystemResult], workload: Workload, machine: dict[str,
         extra.append(
             f"CPU during the run: server {_fmt(r.summary.get('server_cores'))} cores, "
             f"other jobs {_fmt(r.summary.get('other_jobs_cores'))} cores"
+            + (f" (just before it: {r.other_cores_before:.2f})" if r.other_cores_before is not None else "")
         )
         extra.append(f"startup {r.startup_s:.1f} s, stop {_fmt(r.stop_s, 1)} s")
         if r.killed_on_stop:
