@@ -4,7 +4,10 @@ Nothing is exported by default. ``OTEL_TRACES_EXPORTER`` / ``OTEL_METRICS_EXPORT
 ``otlp`` or ``console`` (``none`` to disable); setting ``OTEL_EXPORTER_OTLP_ENDPOINT`` alone
 turns OTLP on for both. ``OTEL_EXPORTER_OTLP_PROTOCOL`` picks ``grpc`` (default) or
 ``http/protobuf``; endpoint, headers, timeouts and the rest are read by the exporters
-themselves. ``OTEL_SERVICE_NAME`` names the service (default ``hotloop-serve``).
+themselves. ``OTEL_METRICS_EXPORTER=prometheus`` serves the metrics for scraping instead, on
+``OTEL_EXPORTER_PROMETHEUS_HOST``:``OTEL_EXPORTER_PROMETHEUS_PORT`` (default 0.0.0.0:9464; one
+replica per pod, or a distinct port per replica through ``models[].env``).
+``OTEL_SERVICE_NAME`` names the service (default ``hotloop-serve``).
 """
 
 from __future__ import annotations
@@ -81,7 +84,14 @@ def configure_telemetry(
     meter_provider = None
     kind = _choice(env, "METRICS", console)
     readers: list[MetricReader] = list(extra_readers or [])
-    if kind in ("otlp", "console"):
+    if kind == "prometheus":
+        from opentelemetry.exporter.prometheus import PrometheusMetricReader
+        from prometheus_client import start_http_server
+
+        host = env.get("OTEL_EXPORTER_PROMETHEUS_HOST", "0.0.0.0")
+        start_http_server(int(env.get("OTEL_EXPORTER_PROMETHEUS_PORT", "9464")), addr=host)
+        readers.append(PrometheusMetricReader())
+    elif kind in ("otlp", "console"):
         metric_exporter = _metric_exporter(env) if kind == "otlp" else ConsoleMetricExporter()
         interval = int(env.get("OTEL_METRIC_EXPORT_INTERVAL", "10000"))
         readers.append(PeriodicExportingMetricReader(metric_exporter, export_interval_millis=interval))

@@ -129,3 +129,27 @@ def test_errors_are_counted_by_status_code(
         for p in m.data.data_points
     ]
     assert errors and dict(errors[0].attributes)["rpc.grpc.status_code"] == "NOT_FOUND"
+
+
+def test_prometheus_exporter_serves_metrics_for_scraping(tiny_model: Path) -> None:
+    import urllib.request
+
+    from conftest import free_port
+    from opentelemetry.sdk.metrics import MeterProvider as Provider
+
+    from hotloop_serve.telemetry import setup
+
+    port = free_port()
+    saved = setup._configured
+    setup._configured = None
+    try:
+        env = {"OTEL_METRICS_EXPORTER": "prometheus", "OTEL_EXPORTER_PROMETHEUS_PORT": str(port),
+               "OTEL_EXPORTER_PROMETHEUS_HOST": "127.0.0.1", "OTEL_TRACES_EXPORTER": "none"}  # fmt: skip
+        _, meter_provider = setup.configure_telemetry(env=env)
+        assert isinstance(meter_provider, Provider)
+        Telemetry("tiny", "r0", None, None, meter_provider).generated.add(5, {"hotloop.model": "tiny"})
+        body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+        assert "hotloop_tokens_generated" in body
+        meter_provider.shutdown()
+    finally:
+        setup._configured = saved
