@@ -147,3 +147,29 @@ def test_config_rejects_unknown_keys_and_bad_values() -> None:
         config_from_dict({"models": [{"name": "m", "replica": 2}]})
     with pytest.raises(ValueError, match="unique"):
         config_from_dict({"models": [{"name": "m"}, {"name": "m"}]})
+
+
+def test_deployment_options_from_config() -> None:
+    from hotloop_serve.serve.app import deployment_options, serve_config
+
+    cfg = config_from_dict(
+        {
+            "models": [
+                {"name": "a", "engine": {"hot_sessions": 6}, "env": {"X": "1"}},
+                {
+                    "name": "b",
+                    "autoscaling": {"min_replicas": 1, "max_replicas": 3},
+                    "routing": {"session_affinity": False},
+                },
+            ]
+        }
+    )
+    a, b = (deployment_options(m) for m in cfg.models)
+    assert a["num_replicas"] == 1 and a["max_ongoing_requests"] == 6
+    assert a["ray_actor_options"]["runtime_env"] == {"env_vars": {"X": "1"}}
+    assert "SessionAffinityRouter" in a["request_router_config"].request_router_class
+    assert b["autoscaling_config"].max_replicas == 3 and "num_replicas" not in b
+    assert "request_router_config" not in b
+    doc = serve_config(cfg)
+    assert [app["name"] for app in doc["applications"]] == ["a", "b"]
+    assert config_from_dict(doc["applications"][0]["args"]["config"]) == cfg
