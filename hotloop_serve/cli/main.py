@@ -74,7 +74,10 @@ def run(
             run_chat(_address(cfg), cfg.models[0].name)
         else:
             err.print("Ctrl-C to stop")
-            signal.sigwait({signal.SIGINT, signal.SIGTERM})
+            # Block, then wait for, SIGINT/SIGTERM: either one stops Ray and everything it started.
+            stop_signals = {signal.SIGINT, signal.SIGTERM}
+            signal.pthread_sigmask(signal.SIG_BLOCK, stop_signals)
+            signal.sigwait(stop_signals)
     except KeyboardInterrupt:
         pass
     finally:
