@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -37,6 +38,18 @@ def row(name: str, value: float, unit: str, baseline: float | None = None, targe
     ratio = f"{value / baseline:.2f}x" if baseline else ""
     print(f"| {name:<52} | {value:>10.2f} {unit:<6} | {ratio:>7} | {target:<8} |")
     return {"name": name, "value": value, "unit": unit, "ratio": value / baseline if baseline else None}
+
+
+def raw_llama_decode_isolated(tokens: int, threads: int) -> float:
+    """Run the baseline in its own process: llama.cpp's CPU thread pool outlives a freed
+    ``Llama`` and slowed the engine measured after it in the same process by a third."""
+    out = subprocess.run(
+        [sys.executable, __file__, "--raw-only", "--tokens", str(tokens), "--threads", str(threads)],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+    return float(out.stdout.strip().splitlines()[-1])
 
 
 def raw_llama_decode(path: Path, tokens: int, threads: int) -> float:
@@ -176,14 +189,18 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--raw-only", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--json", type=Path, default=Path(__file__).parent / "results" / "engine.json")
     ns = ap.parse_args()
     path = embedded_model_path(progress=True)
+    if ns.raw_only:
+        print(raw_llama_decode(path, ns.tokens, ns.threads))
+        return 0
     print(f"model {path.name}, {ns.threads} threads, {ns.tokens} tokens per reply\n")
     print(f"| {'figure':<52} | {'value':>17} | {'ratio':>7} | {'target':<8} |")
     print(f"|{'-' * 54}|{'-' * 19}|{'-' * 9}|{'-' * 10}|")
     rows = []
-    raw = raw_llama_decode(path, ns.tokens, ns.threads)
+    raw = raw_llama_decode_isolated(ns.tokens, ns.threads)
     rows.append(row("1. raw llama_cpp.Llama single stream (baseline)", raw, "tok/s"))
     with Engine(str(path), EngineOptions(threads=ns.threads, context_tokens=32768)) as engine:
         single = engine_single(engine, ns.tokens)

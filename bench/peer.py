@@ -1095,6 +1095,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        # Started with ``nohup ... &`` from a script: SIGINT is ignored, and an ignored signal
+        # stays ignored across exec, so the servers started below would ignore the SIGINT
+        # that stops them (each would wait out the 60 s grace and be killed). A handler, unlike
+        # SIG_IGN, is reset to the default in the child; it also makes Ctrl-C work here.
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     unknown = set(systems) - {"a", "b", "c"}
     if unknown or not systems:
