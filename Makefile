@@ -7,8 +7,9 @@ setup:
 chat: setup  ## serve the embedded default model and chat with it in the terminal
 	.venv/bin/hotloop-serve run --chat
 
-lint: setup  ## generated stubs fresh, ruff, mypy
+lint: setup  ## generated stubs and sync client fresh, ruff, mypy
 	.venv/bin/python scripts/gen_protos.py --check
+	.venv/bin/python scripts/gen_sync_client.py --check
 	.venv/bin/ruff check hotloop_serve clients/python/hotloop_client tests bench scripts
 	.venv/bin/mypy
 

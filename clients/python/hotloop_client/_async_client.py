@@ -1,7 +1,11 @@
-"""The asyncio client: ``AsyncClient`` -> ``AsyncModel`` -> ``AsyncSession``.
+"""The clients: ``Client`` -> ``Model`` -> ``Session``, and their asyncio twins.
 
-The twin of ``_client.py`` on ``grpc.aio``, method for method; everything that is not an
-``await`` lives in ``_base.py``.
+``_async_client.py`` (on ``grpc.aio``) is the one written by hand. ``scripts/gen_sync_client.py``
+generates the blocking ``_client.py`` from it with unasync (``async`` and ``await`` dropped,
+``AsyncClient`` -> ``Client``, ``asyncio`` -> ``time``, ``open_aio_channel`` ->
+``open_channel``...), and ``make lint`` fails when ``_client.py`` is stale. Everything that is
+not I/O (requests, metadata, retry rules, conversions) lives in ``_base.py``. Docstrings are
+shared by both clients.
 """
 
 from __future__ import annotations
@@ -13,7 +17,6 @@ from types import TracebackType
 from typing import Any
 
 import grpc
-import grpc.aio
 from hotloop.v1 import model_pb2_grpc, session_pb2, session_pb2_grpc
 
 from . import _base
@@ -23,14 +26,11 @@ from ._types import Chunk, ModelInfo, SessionInfo, Settings, Usage
 
 
 class _Stubs:
-    """The channel and its stubs, made on first use inside the running event loop
-    (a ``grpc.aio`` channel belongs to the loop it was created on)."""
+    """The channel and its stubs, made on first use (an asyncio channel belongs to the event
+    loop it was created on, so it must be made inside it)."""
 
     def __init__(self, base: _base.BaseClient) -> None:
-        if base.credentials is None:
-            self.channel: Any = grpc.aio.insecure_channel(base.address, options=base.options)
-        else:
-            self.channel = grpc.aio.secure_channel(base.address, base.credentials, options=base.options)
+        self.channel: Any = _base.open_aio_channel(base)
         self.sessions = session_pb2_grpc.SessionServiceStub(self.channel)
         self.models = model_pb2_grpc.ModelServiceStub(self.channel)
         self.list_applications = self.channel.unary_unary(
@@ -41,10 +41,16 @@ class _Stubs:
 
 
 class AsyncClient:
-    """The asyncio twin of :class:`hotloop_client.Client`, with the same arguments.
+    """A connection to a hotloop-serve deployment (Ray Serve's gRPC proxy).
 
-    Use ``async with AsyncClient(...)`` or ``await client.close()``. The channel opens on
-    the first call, so the client may be constructed outside the event loop.
+    ``address`` is ``host:port``. ``token`` is sent as ``authorization: Bearer``; ``tls`` or
+    ``root_certificates`` (PEM bytes) switch to TLS. ``timeout`` is the default deadline, in
+    seconds, of every call, including a whole streamed reply; each method's ``timeout=``
+    overrides it. ``retry_delay`` is the pause before the one automatic retry after a
+    replica failure. Use as a context manager (``with Client(...)``, ``async with
+    AsyncClient(...)``), or call :meth:`close`. The channel opens on the first call (so an
+    ``AsyncClient`` may be constructed outside the event loop); after :meth:`close`, a
+    further call opens a new one.
     """
 
     def __init__(
@@ -75,6 +81,8 @@ class AsyncClient:
             self._lazy = _Stubs(self._base)
         return self._lazy
 
+    # -- plumbing ---------------------------------------------------------------------
+
     async def _unary(
         self, method: Callable[..., Any], request: Any, application: str | None, timeout: float | None
     ) -> Any:
@@ -90,6 +98,8 @@ class AsyncClient:
             attempt += 1
             await asyncio.sleep(self._base.retry_delay)
 
+    # -- public API -------------------------------------------------------------------
+
     @property
     def address(self) -> str:
         return self._base.address
@@ -100,7 +110,12 @@ class AsyncClient:
         return names
 
     async def list_models(self, *, timeout: float | None = None) -> list[ModelInfo]:
-        """Every model the server serves (see :meth:`hotloop_client.Client.list_models`)."""
+        """Every model the server serves.
+
+        No model name is known yet, so the proxy's own ListApplications names an app to
+        route ListModels to. A server that is not behind Ray Serve (UNIMPLEMENTED) is asked
+        directly.
+        """
         application: str | None = None
         try:
             names = await self.application_names(timeout=timeout)
@@ -133,7 +148,7 @@ class AsyncClient:
         await self.close()
 
     def __repr__(self) -> str:
-        return f"<AsyncClient {self._base.describe()}>"
+        return f"<{type(self).__name__} {self._base.describe()}>"
 
 
 class AsyncModel:
@@ -169,11 +184,13 @@ class AsyncModel:
         return AsyncSession(client, state)
 
     def __repr__(self) -> str:
-        return f"<AsyncModel {self.name!r} at {self._client.address}>"
+        return f"<{type(self).__name__} {self.name!r} at {self._client.address}>"
 
 
 class AsyncSession:
-    """The asyncio twin of :class:`hotloop_client.Session`; ``async with`` closes it."""
+    """A conversation on the server. You keep the history and send all of it each turn;
+    the session only makes follow-up turns fast by keeping its KV cache. Use as a context
+    manager to close it."""
 
     def __init__(self, client: AsyncClient, state: _base.SessionState) -> None:
         self._client = client
@@ -198,10 +215,13 @@ class AsyncSession:
     def generate(
         self, history: HistoryLike, *, timeout: float | None = None, **overrides: Any
     ) -> AsyncGenerator[Chunk, None]:
-        """Stream the reply to ``history``; use with ``async for``.
+        """Stream the reply to ``history`` (``Message``s or ``(role, content)`` pairs).
 
-        Same contract as :meth:`hotloop_client.Session.generate`. ``aclose()`` on the
-        iterator, or cancelling the task iterating it, cancels the call on the server.
+        Keyword ``overrides`` (e.g. ``temperature=0``) apply to this turn only. If the
+        replica fails before any text arrived the request is re-sent once; after text
+        arrived, :class:`TurnInterrupted` carries the partial text. Leaving the loop early
+        (``break``, closing the generator, Ctrl-C, cancelling the task iterating it) cancels
+        the call on the server.
         """
         request = self._state.generate_request(history, overrides)
         return self._stream(request, timeout)
@@ -224,7 +244,8 @@ class AsyncSession:
                 if not progress.should_retry(exc):
                     raise progress.error(exc) from exc
             finally:
-                # Frees the server's slot at once on aclose(), task cancel or error.
+                # No-op once the call finished; otherwise (break, close, cancel, error) it
+                # frees the server's slot at once instead of generating into the void.
                 call.cancel()
             await asyncio.sleep(client._base.retry_delay)
 
@@ -241,7 +262,8 @@ class AsyncSession:
 
     async def context(self, *, timeout: float | None = None) -> int:
         """Tokens held in the session's KV cache on the server."""
-        return (await self.info(timeout=timeout)).context_tokens
+        info = await self.info(timeout=timeout)
+        return info.context_tokens
 
     async def set_settings(self, settings: Settings, *, timeout: float | None = None) -> Settings:
         """Replace the session's settings (unset fields take the server's defaults)."""
@@ -273,4 +295,4 @@ class AsyncSession:
         await self.close()
 
     def __repr__(self) -> str:
-        return repr(self._state).replace("<Session", "<AsyncSession", 1)
+        return f"<{type(self).__name__} {self._state.describe()}>"

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import grpc
+import grpc.aio
+from google.protobuf.descriptor import FieldDescriptor
 from hotloop.v1 import common_pb2, model_pb2, session_pb2
 
 from ._errors import HotloopError, TurnInterrupted, from_rpc_error, status_of
@@ -236,18 +238,11 @@ _FINISH_FROM_PROTO = {
     common_pb2.FINISH_REASON_STOP: FinishReason.STOP,
     common_pb2.FINISH_REASON_CONTEXT: FinishReason.CONTEXT,
 }
-_OPTIONAL_SETTINGS = (
-    "temperature",
-    "sample_len",
-    "seed",
-    "top_p",
-    "top_k",
-    "repeat_penalty",
-    "repeat_last_n",
-    "min_p",
-    "truncate_history",
-)
-_FLOAT32_SETTINGS = frozenset({"temperature", "top_p", "repeat_penalty", "min_p"})
+# Derived from the message descriptor, so a field added to ``hotloop.v1.Settings`` needs no
+# list edited here: the ``optional`` scalars (presence = set), and the float32 ones.
+_SETTINGS_FIELDS = common_pb2.Settings.DESCRIPTOR.fields
+_OPTIONAL_SETTINGS = tuple(f.name for f in _SETTINGS_FIELDS if f.has_presence)
+_FLOAT32_SETTINGS = frozenset(f.name for f in _SETTINGS_FIELDS if f.type == FieldDescriptor.TYPE_FLOAT)
 
 MessageLike = Message | tuple[Role | str, str]
 """A ``Message``, or a ``(role, content)`` pair such as ``("user", "hi")``."""
@@ -375,6 +370,20 @@ def channel_credentials(tls: bool, root_certificates: bytes | None) -> Any:
     return grpc.ssl_channel_credentials(root_certificates=root_certificates)
 
 
+def open_channel(base: BaseClient) -> Any:
+    """A blocking ``grpc.Channel`` for ``base`` (the sync client's transport)."""
+    if base.credentials is None:
+        return grpc.insecure_channel(base.address, options=base.options)
+    return grpc.secure_channel(base.address, base.credentials, options=base.options)
+
+
+def open_aio_channel(base: BaseClient) -> Any:
+    """A ``grpc.aio.Channel`` for ``base``, to be made inside the event loop that uses it."""
+    if base.credentials is None:
+        return grpc.aio.insecure_channel(base.address, options=base.options)
+    return grpc.aio.secure_channel(base.address, base.credentials, options=base.options)
+
+
 class BaseClient:
     """Connection settings and call plumbing shared by ``Client`` and ``AsyncClient``."""
 
@@ -449,8 +458,9 @@ class SessionState:
             session_id=self.id, messages=messages_to_proto(history), settings=settings_to_proto(self.settings)
         )
 
-    def __repr__(self) -> str:
-        return f"<Session {self.id} model={self.model!r}{' closed' if self.closed else ''}>"
+    def describe(self) -> str:
+        """``<id> model='<name>'[ closed]``, for the session objects' reprs."""
+        return f"{self.id} model={self.model!r}{' closed' if self.closed else ''}"
 
 
 def create_session_request(model: str, settings: Settings, key: str) -> Any:
