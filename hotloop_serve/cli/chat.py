@@ -15,6 +15,7 @@ import contextlib
 import dataclasses
 import json
 import sys
+import typing
 from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any
@@ -71,18 +72,22 @@ def _parse_stop(value: str) -> tuple[str, ...]:
     return (value,)
 
 
-_PARSERS: dict[str, Callable[[str], Any]] = {
-    "temperature": float,
-    "sample_len": int,
-    "seed": int,
-    "top_p": float,
-    "top_k": int,
-    "repeat_penalty": float,
-    "repeat_last_n": int,
-    "stop": _parse_stop,
-    "min_p": float,
-    "truncate_history": _parse_bool,
-}
+def _parser(hint: Any) -> Callable[[str], Any]:
+    """How ``/set`` reads a value of a ``Settings`` field typed ``hint`` (``X | None``)."""
+    kinds = set(typing.get_args(hint)) - {type(None)}
+    if kinds == {bool}:
+        return _parse_bool
+    if kinds in ({int}, {float}):
+        return kinds.pop()  # type: ignore[no-any-return]
+    if all(typing.get_origin(kind) is tuple for kind in kinds):
+        return _parse_stop
+    raise TypeError(f"no /set parser for a Settings field of type {hint}")
+
+
+# One parser per ``Settings`` field (the SDK's mirror of ``hotloop.v1.Settings``, checked
+# against its descriptor), in the proto's order: a new field needs no list edited here.
+_HINTS = typing.get_type_hints(Settings)
+_PARSERS: dict[str, Callable[[str], Any]] = {f.name: _parser(_HINTS[f.name]) for f in dataclasses.fields(Settings)}
 _UNSET = {"none", "default", "random", "unset"}
 
 

@@ -19,17 +19,9 @@ _FINISH = {
     "stop": pb.FINISH_REASON_STOP,
     "context": pb.FINISH_REASON_CONTEXT,
 }
-_SETTING_FIELDS = (
-    "temperature",
-    "sample_len",
-    "seed",
-    "top_p",
-    "top_k",
-    "repeat_penalty",
-    "repeat_last_n",
-    "min_p",
-    "truncate_history",
-)
+# The ``optional`` scalar fields of ``hotloop.v1.Settings`` (presence = set), from its
+# descriptor: a field added to the proto needs no list edited here (``stop`` is repeated).
+_SETTING_FIELDS = tuple(f.name for f in pb.Settings.DESCRIPTOR.fields if f.has_presence)
 
 
 def messages_from_proto(messages: Sequence[pb.Message], max_messages: int) -> list[ChatMessage]:
@@ -60,19 +52,12 @@ def has_settings(msg: pb.Settings) -> bool:
 
 
 def settings_to_proto(s: SamplingSettings) -> pb.Settings:
-    out = pb.Settings(
-        temperature=s.temperature,
-        sample_len=s.sample_len,
-        top_p=s.top_p,
-        top_k=s.top_k,
-        repeat_penalty=s.repeat_penalty,
-        repeat_last_n=s.repeat_last_n,
-        stop=list(s.stop),
-        min_p=s.min_p,
-        truncate_history=s.truncate_history,
-    )
-    if s.seed is not None:
-        out.seed = s.seed
+    """Every field set (``seed`` only when fixed: absent means a fresh seed per turn)."""
+    out = pb.Settings(stop=list(s.stop))
+    for name in _SETTING_FIELDS:
+        value = getattr(s, name)
+        if value is not None:
+            setattr(out, name, value)
     return out
 
 
