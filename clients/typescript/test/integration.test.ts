@@ -66,7 +66,11 @@ describe(`hotloop-serve on loopback (${MODEL})`, () => {
     const info = await client.model(MODEL).info();
     assert.equal(info.name, MODEL);
     assert.equal(info.architecture, "gemma3");
-    assert.equal(info.contextLength, 4096);
+    // The server's configured session context: known when this file started the server,
+    // otherwise (HOTLOOP_ADDRESS) whatever that server says, consistently in both RPCs.
+    assert.ok(info.contextLength > 0);
+    assert.equal(info.contextLength, models.find((m) => m.name === MODEL)?.contextLength);
+    if (server?.sessionContextTokens !== undefined) assert.equal(info.contextLength, server.sessionContextTokens);
     assert.ok(info.parameters > 0 && info.sizeBytes > 0 && info.vocabSize > 0);
     const tokens = await client.model(MODEL).tokenize("Hello world");
     assert.ok(tokens.length >= 2);

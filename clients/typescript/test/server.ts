@@ -24,11 +24,15 @@ import { encodeEmpty, forEachField } from "../src/base";
 export const MODEL = process.env["HOTLOOP_TEST_MODEL"] ?? "gemma-3-270m";
 const READY_TIMEOUT_MS = 300_000;
 const STOP_TIMEOUT_MS = 60_000;
+const SESSION_CONTEXT_TOKENS = 4096;
 
 export interface RunningServer {
   address: string;
   /** Seconds from spawn to SERVING (0 for HOTLOOP_ADDRESS). */
   startupS: number;
+  /** `engine.session_context_tokens` of the config it was started with; undefined for
+   * HOTLOOP_ADDRESS (a server configured elsewhere). */
+  sessionContextTokens?: number;
   stop(): Promise<void>;
 }
 
@@ -125,7 +129,7 @@ export async function startServer(): Promise<RunningServer> {
       "telemetry: {enabled: false}",
       "models:",
       `  - name: ${MODEL}`,
-      "    engine: {context_tokens: 8192, session_context_tokens: 4096, hot_sessions: 4, threads: 2}",
+      `    engine: {context_tokens: 8192, session_context_tokens: ${SESSION_CONTEXT_TOKENS}, hot_sessions: 4, threads: 2}`,
       "",
     ].join("\n"),
   );
@@ -178,5 +182,5 @@ export async function startServer(): Promise<RunningServer> {
     await stop();
     throw new Error(`${(err as Error).message}\n--- hotloop-serve output (tail) ---\n${output}`);
   }
-  return { address, startupS: (Date.now() - started) / 1000, stop };
+  return { address, startupS: (Date.now() - started) / 1000, sessionContextTokens: SESSION_CONTEXT_TOKENS, stop };
 }
