@@ -1,5 +1,6 @@
 """The SDK's no-I/O logic: value types, proto conversions, metadata, routing keys, and the
-hand-rolled decoding of Ray Serve's ListApplications reply."""
+decoding of Ray Serve's ListApplications reply (generated from serve_proxy.proto, checked
+here against Ray's message built independently from a descriptor)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import re
 
 import pytest
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
+from google.protobuf.message import DecodeError
 from hotloop.v1 import common_pb2, session_pb2
 from hotloop_client import Chunk, FinishReason, Message, Role, Settings
 from hotloop_client._base import (
@@ -124,5 +126,5 @@ def test_application_names_decode_like_protobuf() -> None:
 
 @pytest.mark.parametrize("data", [b"\x0a\x05abc", b"\x0a", b"\x80", b"\x0f"])
 def test_application_names_reject_garbage(data: bytes) -> None:
-    with pytest.raises(ValueError):
+    with pytest.raises(DecodeError):
         decode_application_names(data)

@@ -8,7 +8,7 @@ they call the stubs; the wire contract lives here once so the twins cannot drift
   token, W3C trace context),
 * which failures are retried and how a broken stream is reported (:class:`StreamProgress`),
 * the routing key a new session is created with,
-* decoding the Ray Serve proxy's ``ListApplications`` reply without importing Ray.
+* the Ray Serve proxy's ``ListApplications`` reply, decoded with generated code.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from typing import Any
 import grpc
 import grpc.aio
 from google.protobuf.descriptor import FieldDescriptor
-from hotloop.v1 import common_pb2, model_pb2, session_pb2
+from hotloop.v1 import common_pb2, model_pb2, serve_proxy_pb2, session_pb2
 
 from ._errors import HotloopError, TurnInterrupted, from_rpc_error, status_of
 from ._types import (
@@ -57,57 +57,13 @@ def new_session_key() -> str:
     return secrets.token_urlsafe(16)
 
 
-def encode_empty(_request: object) -> bytes:
-    """Serializer for ``ListApplicationsRequest``, which has no fields."""
-    return b""
-
-
-def _read_varint(data: bytes, pos: int) -> tuple[int, int]:
-    result = 0
-    shift = 0
-    while True:
-        if pos >= len(data):
-            raise ValueError("truncated varint")
-        byte = data[pos]
-        pos += 1
-        result |= (byte & 0x7F) << shift
-        if not byte & 0x80:
-            return result, pos
-        shift += 7
-        if shift > 63:
-            raise ValueError("varint too long")
-
-
 def decode_application_names(data: bytes) -> list[str]:
-    """Decode Ray Serve's ``ListApplicationsResponse`` (field 1: ``repeated string
-    application_names``) by hand, skipping any other field.
+    """The application names of Ray Serve's ``ListApplicationsResponse``.
 
-    A dozen lines of wire format keep the SDK free of Ray (hundreds of MB) just to read one
-    list of strings.
+    Decoded by the code generated from ``protos/hotloop/v1/serve_proxy.proto`` (wire-compatible
+    with Ray's message), so the SDK needs none of Ray (hundreds of MB) to read one list.
     """
-    names: list[str] = []
-    pos = 0
-    while pos < len(data):
-        key, pos = _read_varint(data, pos)
-        field_number, wire_type = key >> 3, key & 0x7
-        if wire_type == 0:  # varint
-            _, pos = _read_varint(data, pos)
-        elif wire_type == 1:  # fixed64
-            pos += 8
-        elif wire_type == 2:  # length-delimited
-            length, pos = _read_varint(data, pos)
-            if pos + length > len(data):
-                raise ValueError("truncated field")
-            if field_number == 1:
-                names.append(data[pos : pos + length].decode("utf-8"))
-            pos += length
-        elif wire_type == 5:  # fixed32
-            pos += 4
-        else:
-            raise ValueError(f"unsupported wire type {wire_type}")
-        if pos > len(data):
-            raise ValueError("truncated field")
-    return names
+    return list(serve_proxy_pb2.ListApplicationsResponse.FromString(data).application_names)
 
 
 # --------------------------------------------------------------------------- metadata

@@ -18,7 +18,7 @@ from types import TracebackType
 from typing import Any
 
 import grpc
-from hotloop.v1 import model_pb2_grpc, session_pb2, session_pb2_grpc
+from hotloop.v1 import model_pb2_grpc, serve_proxy_pb2, session_pb2, session_pb2_grpc
 
 from . import _base
 from ._base import HistoryLike
@@ -36,7 +36,7 @@ class _Stubs:
         self.models = model_pb2_grpc.ModelServiceStub(self.channel)
         self.list_applications = self.channel.unary_unary(
             _base.LIST_APPLICATIONS_METHOD,
-            request_serializer=_base.encode_empty,
+            request_serializer=serve_proxy_pb2.ListApplicationsRequest.SerializeToString,
             response_deserializer=_base.decode_application_names,
         )
 
@@ -107,7 +107,8 @@ class Client:
 
     def application_names(self, *, timeout: float | None = None) -> list[str]:
         """The Ray Serve applications behind the proxy (one per served model)."""
-        names: list[str] = self._unary(self._stubs.list_applications, b"", None, timeout)
+        request = serve_proxy_pb2.ListApplicationsRequest()
+        names: list[str] = self._unary(self._stubs.list_applications, request, None, timeout)
         return names
 
     def list_models(self, *, timeout: float | None = None) -> list[ModelInfo]:

@@ -5,7 +5,7 @@
  * - the metadata every call sends (`application` for Ray Serve's proxy, the bearer token),
  * - which failures are retried and how a broken stream is reported (`StreamProgress`),
  * - the routing key a new session is created with,
- * - decoding the Ray Serve proxy's `ListApplications` reply without Ray's protos.
+ * - the Ray Serve proxy's `ListApplications` codecs (generated from serve_proxy.proto).
  */
 
 import { randomBytes } from "node:crypto";
@@ -15,6 +15,7 @@ import { Metadata } from "@grpc/grpc-js";
 import { errorForStatus, HotloopError, isStatusError, Status, statusOf, TurnInterrupted } from "./errors";
 import * as pbc from "./gen/hotloop/v1/common";
 import type * as pbm from "./gen/hotloop/v1/model";
+import { ListApplicationsRequest, ListApplicationsResponse } from "./gen/hotloop/v1/serve_proxy";
 import type * as pbs from "./gen/hotloop/v1/session";
 import {
   type Chunk,
@@ -50,73 +51,18 @@ export function newSessionKey(): string {
   return randomBytes(16).toString("base64url");
 }
 
-/** Serializer for `ListApplicationsRequest`, which has no fields. */
-export function encodeEmpty(_request: unknown): Buffer {
-  return Buffer.alloc(0);
-}
-
-/** Reads a varint at `pos`; returns `[value, nextPos]` (values past 2^53 lose precision, which
- * only matters for fields the callers skip). */
-export function readVarint(data: Uint8Array, pos: number): [number, number] {
-  let result = 0;
-  let multiplier = 1;
-  for (let i = 0; i < 10; i++) {
-    if (pos >= data.length) throw new RangeError("truncated varint");
-    const byte = data[pos++] as number;
-    result += (byte & 0x7f) * multiplier;
-    if ((byte & 0x80) === 0) return [result, pos];
-    multiplier *= 128;
-  }
-  throw new RangeError("varint too long");
+/** `ListApplicationsRequest` on the wire (generated from protos/hotloop/v1/serve_proxy.proto). */
+export function encodeListApplications(request: ListApplicationsRequest): Buffer {
+  return Buffer.from(ListApplicationsRequest.encode(request).finish());
 }
 
 /**
- * Walks the fields of a protobuf message, calling `onField(fieldNumber, wireType, value)`
- * with the varint's value (wire type 0) or the bytes (wire type 2); other types are skipped.
- */
-export function forEachField(
-  data: Uint8Array,
-  onField: (field: number, wireType: number, value: number | Uint8Array) => void,
-): void {
-  let pos = 0;
-  while (pos < data.length) {
-    let key: number;
-    [key, pos] = readVarint(data, pos);
-    const field = Math.floor(key / 8);
-    const wireType = key & 0x7;
-    if (wireType === 0) {
-      let value: number;
-      [value, pos] = readVarint(data, pos);
-      onField(field, wireType, value);
-    } else if (wireType === 1) {
-      pos += 8;
-    } else if (wireType === 2) {
-      let length: number;
-      [length, pos] = readVarint(data, pos);
-      if (pos + length > data.length) throw new RangeError("truncated field");
-      onField(field, wireType, data.subarray(pos, pos + length));
-      pos += length;
-    } else if (wireType === 5) {
-      pos += 4;
-    } else {
-      throw new RangeError(`unsupported wire type ${wireType}`);
-    }
-    if (pos > data.length) throw new RangeError("truncated field");
-  }
-}
-
-/**
- * Decode Ray Serve's `ListApplicationsResponse` (field 1: `repeated string
- * application_names`) by hand, skipping any other field: a few lines of wire format keep the
- * SDK free of Ray's protos just to read one list of strings.
+ * The application names of Ray Serve's `ListApplicationsResponse`, decoded by the code
+ * generated from protos/hotloop/v1/serve_proxy.proto (wire-compatible with Ray's message),
+ * so the SDK needs none of Ray's protos.
  */
 export function decodeApplicationNames(data: Uint8Array): string[] {
-  const names: string[] = [];
-  const utf8 = new TextDecoder("utf-8", { fatal: true });
-  forEachField(data, (field, wireType, value) => {
-    if (field === 1 && wireType === 2) names.push(utf8.decode(value as Uint8Array));
-  });
-  return names;
+  return ListApplicationsResponse.decode(data).applicationNames;
 }
 
 // --------------------------------------------------------------------------- metadata

@@ -8,6 +8,7 @@ import * as grpc from "@grpc/grpc-js";
 import * as base from "./base";
 import { Cancelled, fromRpcError, isStatusError, NotFound, Status } from "./errors";
 import { ModelServiceService } from "./gen/hotloop/v1/model";
+import type { ListApplicationsRequest } from "./gen/hotloop/v1/serve_proxy";
 import type * as pbs from "./gen/hotloop/v1/session";
 import { SessionServiceService } from "./gen/hotloop/v1/session";
 import {
@@ -63,9 +64,9 @@ interface UnaryMethod<Req, Res> {
 
 const ZERO_USAGE = { promptTokens: 0, cachedTokens: 0, restoredTokens: 0, prefilledTokens: 0, completionTokens: 0 };
 
-const LIST_APPLICATIONS: UnaryMethod<unknown, string[]> = {
+const LIST_APPLICATIONS: UnaryMethod<ListApplicationsRequest, string[]> = {
   path: base.LIST_APPLICATIONS_METHOD,
-  requestSerialize: base.encodeEmpty,
+  requestSerialize: base.encodeListApplications,
   responseDeserialize: base.decodeApplicationNames,
 };
 
@@ -266,7 +267,7 @@ export class Client {
 
   /** The Ray Serve applications behind the proxy (one per served model). */
   async applicationNames(options: CallOptions = {}): Promise<string[]> {
-    return this.#transport.unary(LIST_APPLICATIONS, undefined, undefined, options);
+    return this.#transport.unary(LIST_APPLICATIONS, {}, undefined, options);
   }
 
   /**

@@ -19,7 +19,7 @@ import { join, resolve } from "node:path";
 
 import * as grpc from "@grpc/grpc-js";
 
-import { encodeEmpty, forEachField } from "../src/base";
+import { BinaryReader } from "@bufbuild/protobuf/wire";
 
 export const MODEL = process.env["HOTLOOP_TEST_MODEL"] ?? "gemma-3-270m";
 const READY_TIMEOUT_MS = 300_000;
@@ -49,12 +49,18 @@ export function freePort(): Promise<number> {
   });
 }
 
+/** `grpc.health.v1.HealthCheckRequest` with no service: an empty message. */
+const encodeEmpty = (): Buffer => Buffer.alloc(0);
+
 /** SERVING (1) from `grpc.health.v1.HealthCheckResponse` (field 1, enum status). */
 function decodeHealthStatus(data: Buffer): number {
+  const reader = new BinaryReader(data);
   let status = 0;
-  forEachField(data, (field, wireType, value) => {
-    if (field === 1 && wireType === 0) status = value as number;
-  });
+  while (reader.pos < reader.len) {
+    const tag = reader.uint32();
+    if (tag >>> 3 === 1 && (tag & 7) === 0) status = reader.int32();
+    else reader.skip(tag & 7);
+  }
   return status;
 }
 
