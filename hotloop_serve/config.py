@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -152,6 +152,9 @@ class TelemetryConfig(_Strict):
     enabled: bool = True
     console: bool = False
     """Print spans and metrics to the replica's log (development)."""
+    request_log: Literal["off", "text", "json"] = "text"
+    """One line per RPC on the replica's stderr (logger ``hotloop_serve.requests``): ``text``
+    (logfmt) or ``json``; method, status, duration, trace id, session, token counts, never prompt text."""
 
 
 class Config(_Strict):

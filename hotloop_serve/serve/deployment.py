@@ -42,7 +42,9 @@ class ModelReplica(ModelServicer):
         self._app, self._deployment = ctx.app_name, ctx.deployment
         self._rank = ctx.rank.rank if ctx.rank is not None else 0
         replica_id = ctx.replica_id.unique_id
-        telemetry = Telemetry(mcfg.name, replica_id, engine.stats, tracer_provider, meter_provider)
+        telemetry = Telemetry(
+            mcfg.name, replica_id, engine.stats, tracer_provider, meter_provider, cfg.telemetry.request_log
+        )
         super().__init__(
             cfg,
             mcfg,

@@ -1,6 +1,8 @@
-"""OpenTelemetry traces and metrics for hotloop-serve (see ``setup.py`` and ``instruments.py``)."""
+"""OpenTelemetry traces and metrics, and request logs, for hotloop-serve (``setup.py``,
+``instruments.py``, ``semconv.py``, ``request_log.py``)."""
 
-from hotloop_serve.telemetry.instruments import Telemetry
+from hotloop_serve.telemetry.instruments import RpcSpan, Telemetry
+from hotloop_serve.telemetry.request_log import configure_request_log
 from hotloop_serve.telemetry.setup import configure_telemetry
 
-__all__ = ["Telemetry", "configure_telemetry"]
+__all__ = ["RpcSpan", "Telemetry", "configure_request_log", "configure_telemetry"]

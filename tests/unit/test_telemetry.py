@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import io
+import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -14,6 +16,7 @@ from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import SpanKind
 
 from hotloop_serve.config import Config
 from hotloop_serve.engine.config import EngineOptions
@@ -21,7 +24,8 @@ from hotloop_serve.engine.engine import Engine
 from hotloop_serve.serve.auth import Authenticator
 from hotloop_serve.serve.servicer import ModelServicer
 from hotloop_serve.serve.session_ids import SessionIds
-from hotloop_serve.telemetry import Telemetry
+from hotloop_serve.telemetry import Telemetry, configure_request_log
+from hotloop_serve.telemetry.request_log import format_line
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 TRACEPARENT = f"00-{TRACE_ID}-00f067aa0ba902b7-01"
@@ -68,6 +72,17 @@ async def chat(servicer: ModelServicer, ctx: Context) -> list[session_pb2.Genera
     return [c async for c in servicer.Generate(request, ctx)]
 
 
+def _points(reader: InMemoryMetricReader) -> dict[str, Any]:
+    data = reader.get_metrics_data()
+    assert data is not None
+    points: dict[str, Any] = {}
+    for rm in data.resource_metrics:
+        for sm in rm.scope_metrics:
+            for m in sm.metrics:
+                points[m.name] = m.data.data_points
+    return points
+
+
 def test_generate_span_tree_attributes_and_metrics(
     traced: tuple[ModelServicer, InMemorySpanExporter, InMemoryMetricReader],
 ) -> None:
@@ -78,29 +93,122 @@ def test_generate_span_tree_attributes_and_metrics(
     gen = finished["hotloop.v1.SessionService/Generate"]
     assert format(gen.context.trace_id, "032x") == TRACE_ID  # continued from the caller
     assert gen.parent is not None and format(gen.parent.span_id, "016x") == "00f067aa0ba902b7"
-    attrs = dict(gen.attributes or {})
-    assert attrs["hotloop.tokens.prompt"] == usage.prompt_tokens
-    assert attrs["hotloop.tokens.generated"] == usage.completion_tokens
+    rpc = dict(gen.attributes or {})
+    assert rpc["gen_ai.request.model"] == "tiny" and rpc["hotloop.replica"] == "r0"
+    assert rpc["rpc.grpc.status_code"] == "OK" and rpc["hotloop.time_to_first_token_ms"] > 0
+    assert str(rpc["gen_ai.conversation.id"]).startswith("key-12345.")
+    assert "hotloop.session_id" not in rpc and "hotloop.model" not in rpc
+
+    # The GenAI inference span: INTERNAL, named "{operation} {model}", child of the RPC span.
+    chat_span = finished["chat tiny"]
+    assert chat_span.kind == SpanKind.INTERNAL
+    assert chat_span.parent is not None and chat_span.parent.span_id == gen.context.span_id
+    attrs = dict(chat_span.attributes or {})
+    assert attrs["gen_ai.operation.name"] == "chat"
+    assert attrs["gen_ai.provider.name"] == "hotloop"
+    assert attrs["gen_ai.request.model"] == attrs["gen_ai.response.model"] == "tiny"
+    assert attrs["gen_ai.request.stream"] is True
+    assert attrs["gen_ai.conversation.id"] == rpc["gen_ai.conversation.id"]
+    assert attrs["gen_ai.usage.input_tokens"] == usage.prompt_tokens
+    assert attrs["gen_ai.usage.output_tokens"] == usage.completion_tokens
+    assert attrs["gen_ai.usage.cache_read.input_tokens"] == usage.cached_tokens + usage.restored_tokens
     assert attrs["hotloop.tokens.prefilled"] == usage.prefilled_tokens
     assert attrs["hotloop.tokens.reused"] == usage.cached_tokens
-    assert attrs["hotloop.model"] == "tiny" and attrs["hotloop.replica"] == "r0"
-    assert attrs["rpc.grpc.status_code"] == "OK" and attrs["hotloop.time_to_first_token_ms"] > 0
-    assert str(attrs["hotloop.session_id"]).startswith("key-12345.")
+    assert attrs["hotloop.tokens.restored"] == usage.restored_tokens
+    reason = {common_pb2.FINISH_REASON_EOS: "eos", common_pb2.FINISH_REASON_LENGTH: "length"}[chunks[-1].finish_reason]
+    assert attrs["hotloop.finish_reason"] == reason
+    assert tuple(attrs["gen_ai.response.finish_reasons"]) == ({"eos": "stop", "length": "length"}[reason],)
     for child in ("hotloop.queue", "hotloop.prefill", "hotloop.decode"):
-        assert finished[child].parent is not None and finished[child].parent.span_id == gen.context.span_id
+        assert finished[child].parent is not None and finished[child].parent.span_id == chat_span.context.span_id
     assert finished["hotloop.v1.SessionService/CreateSession"].context.trace_id == gen.context.trace_id
 
-    data = reader.get_metrics_data()
-    assert data is not None
-    points: dict[str, Any] = {}
-    for rm in data.resource_metrics:
-        for sm in rm.scope_metrics:
-            for m in sm.metrics:
-                points[m.name] = m.data.data_points
+    points = _points(reader)
     assert sum(p.value for p in points["hotloop.tokens.generated"]) == usage.completion_tokens
     assert sum(p.value for p in points["hotloop.tokens.prefilled"]) == usage.prefilled_tokens
-    assert sum(p.count for p in points["hotloop.time_to_first_token"]) == 1
+    genai = {"gen_ai.operation.name": "chat", "gen_ai.provider.name": "hotloop", "gen_ai.request.model": "tiny"}
+    for name in ("gen_ai.server.time_to_first_token", "gen_ai.server.request.duration"):
+        (point,) = points[name]
+        assert point.count == 1 and genai.items() <= dict(point.attributes).items(), name
+    (tpot,) = points["gen_ai.server.time_per_output_token"]
+    assert tpot.count == 1 and tpot.sum > 0
     assert {"hotloop.sessions.hot", "hotloop.queue.depth", "hotloop.kv.tokens"} <= set(points)
+    for name, metric_points in points.items():
+        for p in metric_points:
+            assert dict(p.attributes)["gen_ai.request.model"] == "tiny", name
+
+
+def test_every_genai_name_is_defined_by_the_pinned_semantic_conventions() -> None:
+    """Names of the gen_ai.* namespace are the conventions': none is invented here."""
+    from opentelemetry.semconv._incubating.attributes import error_attributes, gen_ai_attributes
+    from opentelemetry.semconv._incubating.metrics import gen_ai_metrics
+
+    from hotloop_serve.telemetry import semconv
+
+    defined = {
+        v
+        for module in (gen_ai_attributes, gen_ai_metrics, error_attributes)
+        for k, v in vars(module).items()
+        if k.isupper() and isinstance(v, str)
+    }
+    ours = {v for k, v in vars(semconv).items() if k.isupper() and isinstance(v, str) and v.startswith("gen_ai.")}
+    assert len(ours) >= 13
+    assert ours <= defined, ours - defined
+    assert "chat" in {v.value for v in gen_ai_attributes.GenAiOperationNameValues}
+
+
+def test_request_log_is_one_json_line_per_rpc_with_the_trace_id_and_no_prompt(
+    tiny_model: Path,
+) -> None:
+    stream = io.StringIO()
+    config = Config.model_validate({"models": [{"name": "tiny", "path": str(tiny_model)}]})
+    with Engine(str(tiny_model), EngineOptions(context_tokens=2048, session_context_tokens=1024, hot_sessions=2)) as e:
+        telemetry = Telemetry("tiny", "r0", e.stats, request_log="json")  # no tracer provider: ids still logged
+        configure_request_log("json", stream)
+        servicer = ModelServicer(
+            config, config.models[0], e, SessionIds(b"k", "tiny"), Authenticator({}), telemetry, "r0", 0
+        )
+        try:
+            chunks = asyncio.run(chat(servicer, Context([("traceparent", TRACEPARENT)])))
+            bad = session_pb2.GenerateRequest(session_id="nope.nope")
+
+            async def fail() -> None:
+                with pytest.raises(Exception, match="not found"):
+                    _ = [c async for c in servicer.Generate(bad, Context([]))]
+
+            asyncio.run(fail())
+        finally:
+            configure_request_log("off")
+    lines = stream.getvalue().splitlines()
+    records = [json.loads(line) for line in lines]
+    assert [r["rpc.method"] for r in records] == ["CreateSession", "Generate", "Generate"]
+    create, gen, failed = records
+    usage = chunks[-1].usage
+    assert create["trace_id"] == gen["trace_id"] == TRACE_ID
+    assert gen["rpc.grpc.status_code"] == "OK" and gen["duration_ms"] > 0
+    assert gen["gen_ai.operation.name"] == "chat" and gen["gen_ai.request.model"] == "tiny"
+    assert gen["gen_ai.conversation.id"].startswith("key-12345.")
+    assert gen["gen_ai.usage.input_tokens"] == usage.prompt_tokens
+    assert gen["gen_ai.usage.output_tokens"] == usage.completion_tokens
+    assert gen["gen_ai.response.finish_reasons"] in (["stop"], ["length"])
+    assert gen["hotloop.time_to_first_token_ms"] > 0
+    assert failed["rpc.grpc.status_code"] == "NOT_FOUND" and "trace_id" not in failed
+    assert "hello there" not in stream.getvalue()  # the prompt
+    reply = "".join(c.text for c in chunks)
+    assert not reply.strip() or reply not in stream.getvalue()
+
+
+def test_request_log_text_format_is_logfmt() -> None:
+    from datetime import UTC, datetime
+
+    line = format_line(
+        "text",
+        {"rpc.method": "Generate", "duration_ms": 12.5, "gen_ai.response.finish_reasons": ["stop"], "x": None},
+        now=datetime(2026, 12, 3, 10, 0, tzinfo=UTC),
+    )
+    assert line == (
+        "time=2026-12-03T10:00:00.000Z level=info logger=hotloop_serve.requests msg=rpc "
+        "rpc.method=Generate duration_ms=12.5 gen_ai.response.finish_reasons=stop"
+    )
 
 
 def test_errors_are_counted_by_status_code(
@@ -129,6 +237,8 @@ def test_errors_are_counted_by_status_code(
         for p in m.data.data_points
     ]
     assert errors and dict(errors[0].attributes)["rpc.grpc.status_code"] == "NOT_FOUND"
+    (duration,) = _points(reader)["gen_ai.server.request.duration"]
+    assert dict(duration.attributes)["error.type"] == "NOT_FOUND"
 
 
 def test_prometheus_exporter_serves_metrics_for_scraping(tiny_model: Path) -> None:
@@ -147,7 +257,7 @@ def test_prometheus_exporter_serves_metrics_for_scraping(tiny_model: Path) -> No
                "OTEL_EXPORTER_PROMETHEUS_HOST": "127.0.0.1", "OTEL_TRACES_EXPORTER": "none"}  # fmt: skip
         _, meter_provider = setup.configure_telemetry(env=env)
         assert isinstance(meter_provider, Provider)
-        Telemetry("tiny", "r0", None, None, meter_provider).generated.add(5, {"hotloop.model": "tiny"})
+        Telemetry("tiny", "r0", None, None, meter_provider).generated.add(5, {"gen_ai.request.model": "tiny"})
         body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
         assert "hotloop_tokens_generated" in body
         meter_provider.shutdown()
