@@ -2,17 +2,20 @@
 
 Ray Serve's gRPC proxy calls the ingress deployment's method named like the RPC, with the
 request proto and, because the parameter is named ``grpc_context``, a context for metadata
-and status. Errors become statuses in ``status.py``; nothing here knows llama.cpp.
+and status. Every unary RPC goes through :func:`unary` (span, authentication, errors to
+statuses by ``status.py``, cancellation re-raised); nothing here knows llama.cpp.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from typing import Any, TypeVar
 
+from google.protobuf.message import Message
 from grpc_health.v1 import health_pb2
 from hotloop.v1 import common_pb2 as pb
 from hotloop.v1 import model_pb2 as mpb
@@ -25,9 +28,46 @@ from hotloop_serve.serve import convert
 from hotloop_serve.serve.auth import Authenticator
 from hotloop_serve.serve.session_ids import SessionIds, new_routing_key
 from hotloop_serve.serve.status import set_status
-from hotloop_serve.telemetry import Telemetry
+from hotloop_serve.telemetry import RpcSpan, Telemetry
 
 _CLOSED_REMEMBERED = 4096
+
+_Request = TypeVar("_Request", bound=Message)
+_Reply = TypeVar("_Reply", bound=Message)
+_Handler = Callable[["ModelServicer", _Request, str, RpcSpan], Awaitable[_Reply]]
+"""A unary RPC's body: ``(self, request, principal, span) -> reply``."""
+_Rpc = Callable[["ModelServicer", _Request, Any], Coroutine[Any, Any, _Reply]]
+"""What Ray Serve's proxy calls: ``(self, request, grpc_context) -> reply``."""
+
+
+def unary(empty: type[_Reply]) -> Callable[[_Handler[_Request, _Reply]], _Rpc[_Request, _Reply]]:
+    """Make a unary RPC of ``handler`` (named like the RPC).
+
+    The one wrapper of every unary RPC: a telemetry span named after the method, the caller
+    authenticated (``principal``), and any error (a :class:`HotloopError`, or a bug) recorded
+    on the gRPC context by ``status.set_status``, the one mapping, with an ``empty`` reply;
+    Ray's proxy sends that status. Cancellation (``asyncio.CancelledError``, a client cancel
+    or deadline) is re-raised, never reported as INTERNAL.
+    """
+
+    def decorate(handler: _Handler[_Request, _Reply]) -> _Rpc[_Request, _Reply]:
+        name = handler.__name__
+
+        # Not functools.wraps: Ray Serve reads this signature (``grpc_context`` by name),
+        # not the handler's, so ``__wrapped__`` must not point at the handler.
+        async def rpc(self: ModelServicer, request: _Request, grpc_context: Any = None) -> _Reply:
+            try:
+                with self.telemetry.rpc(name, grpc_context) as span:
+                    return await handler(self, request, self._principal(grpc_context), span)
+            except Exception as e:
+                set_status(grpc_context, e)
+                return empty()
+
+        functools.update_wrapper(rpc, handler, updated=())
+        del rpc.__wrapped__  # type: ignore[attr-defined]
+        return rpc
+
+    return decorate
 
 
 def _metadata(grpc_context: Any) -> list[tuple[str, Any]]:
@@ -117,63 +157,43 @@ class ModelServicer:
             replicas=self.model.autoscaling.min_replicas if self.model.autoscaling else self.model.replicas,
         )
 
-    async def ListModels(self, request: mpb.ListModelsRequest, grpc_context: Any = None) -> mpb.ListModelsResponse:
-        try:
-            with self.telemetry.rpc("ListModels", grpc_context):
-                self._principal(grpc_context)
-                models = [
-                    self.model_info()
-                    if m.name == self.model.name
-                    else mpb.ModelInfo(name=m.name, replicas=m.replicas, context_length=m.engine.session_context_tokens)
-                    for m in self.config.models
-                ]
-                return mpb.ListModelsResponse(models=models)
-        except BaseException as e:
-            set_status(grpc_context, e)
-            return mpb.ListModelsResponse()
+    @unary(mpb.ListModelsResponse)
+    async def ListModels(self, request: mpb.ListModelsRequest, principal: str, span: RpcSpan) -> mpb.ListModelsResponse:
+        models = [
+            self.model_info()
+            if m.name == self.model.name
+            else mpb.ModelInfo(name=m.name, replicas=m.replicas, context_length=m.engine.session_context_tokens)
+            for m in self.config.models
+        ]
+        return mpb.ListModelsResponse(models=models)
 
-    async def GetModel(self, request: mpb.GetModelRequest, grpc_context: Any = None) -> mpb.ModelInfo:
-        try:
-            with self.telemetry.rpc("GetModel", grpc_context):
-                self._principal(grpc_context)
-                self._check_model(request.model)
-                return self.model_info()
-        except BaseException as e:
-            set_status(grpc_context, e)
-            return mpb.ModelInfo()
+    @unary(mpb.ModelInfo)
+    async def GetModel(self, request: mpb.GetModelRequest, principal: str, span: RpcSpan) -> mpb.ModelInfo:
+        self._check_model(request.model)
+        return self.model_info()
 
-    async def Tokenize(self, request: mpb.TokenizeRequest, grpc_context: Any = None) -> mpb.TokenizeResponse:
-        try:
-            with self.telemetry.rpc("Tokenize", grpc_context):
-                self._principal(grpc_context)
-                self._check_model(request.model)
-                self._check_size(request)
-                return mpb.TokenizeResponse(tokens=self.engine.model.tokenize(request.text, request.add_special))
-        except BaseException as e:
-            set_status(grpc_context, e)
-            return mpb.TokenizeResponse()
+    @unary(mpb.TokenizeResponse)
+    async def Tokenize(self, request: mpb.TokenizeRequest, principal: str, span: RpcSpan) -> mpb.TokenizeResponse:
+        self._check_model(request.model)
+        self._check_size(request)
+        return mpb.TokenizeResponse(tokens=self.engine.model.tokenize(request.text, request.add_special))
 
     # -- SessionService ----------------------------------------------------------------
-    async def CreateSession(self, request: spb.CreateSessionRequest, grpc_context: Any = None) -> spb.Session:
-        try:
-            with self.telemetry.rpc("CreateSession", grpc_context) as span:
-                principal = self._principal(grpc_context)
-                self._check_model(request.model)
-                convert.settings_from_proto(request.settings, self.engine.defaults)  # validate before routing
-                if not request.session_key:
-                    # A stock client sent no routing key: pick one, then create the session on the
-                    # replica that will own it (the trap: settings stored here, turns served there).
-                    keyed = spb.CreateSessionRequest()
-                    keyed.CopyFrom(request)
-                    keyed.session_key = new_routing_key()
-                    session = await self.route_create(keyed, principal)
-                else:
-                    session = await self.CreateSessionFor(request, principal)
-                span.set_attribute("hotloop.session_id", session.id)
-                return session
-        except BaseException as e:
-            set_status(grpc_context, e)
-            return spb.Session()
+    @unary(spb.Session)
+    async def CreateSession(self, request: spb.CreateSessionRequest, principal: str, span: RpcSpan) -> spb.Session:
+        self._check_model(request.model)
+        convert.settings_from_proto(request.settings, self.engine.defaults)  # validate before routing
+        if not request.session_key:
+            # A stock client sent no routing key: pick one, then create the session on the
+            # replica that will own it (the trap: settings stored here, turns served there).
+            keyed = spb.CreateSessionRequest()
+            keyed.CopyFrom(request)
+            keyed.session_key = new_routing_key()
+            session = await self.route_create(keyed, principal)
+        else:
+            session = await self.CreateSessionFor(request, principal)
+        span.set_attribute("hotloop.session_id", session.id)
+        return session
 
     async def CreateSessionFor(self, request: spb.CreateSessionRequest, principal: str) -> spb.Session:
         """Create a keyed session here (this replica owns the key); no auth: callers did it."""
@@ -186,81 +206,56 @@ class ModelServicer:
         """Send a keyed CreateSession to its owner; overridden where replicas exist (deployment.py)."""
         return await self.CreateSessionFor(request, principal)
 
-    async def GetSession(self, request: spb.GetSessionRequest, grpc_context: Any = None) -> spb.Session:
-        try:
-            with self.telemetry.rpc("GetSession", grpc_context):
-                principal = self._principal(grpc_context)
-                return self._session_proto(self._session(request.session_id, principal), principal)
-        except BaseException as e:
-            set_status(grpc_context, e)
-            return spb.Session()
+    @unary(spb.Session)
+    async def GetSession(self, request: spb.GetSessionRequest, principal: str, span: RpcSpan) -> spb.Session:
+        return self._session_proto(self._session(request.session_id, principal), principal)
 
-    async def UpdateSettings(self, request: spb.UpdateSettingsRequest, grpc_context: Any = None) -> spb.Session:
-        try:
-            with self.telemetry.rpc("UpdateSettings", grpc_context):
-                principal = self._principal(grpc_context)
-                sid = self._session(request.session_id, principal)
-                settings = convert.settings_from_proto(request.settings, self.engine.defaults)
-                self.engine.update_settings(sid, principal, settings)
-                return self._session_proto(sid, principal)
-        except BaseException as e:
-            set_status(grpc_context, e)
-            return spb.Session()
+    @unary(spb.Session)
+    async def UpdateSettings(self, request: spb.UpdateSettingsRequest, principal: str, span: RpcSpan) -> spb.Session:
+        sid = self._session(request.session_id, principal)
+        settings = convert.settings_from_proto(request.settings, self.engine.defaults)
+        self.engine.update_settings(sid, principal, settings)
+        return self._session_proto(sid, principal)
 
-    async def ClearCache(self, request: spb.ClearCacheRequest, grpc_context: Any = None) -> spb.Session:
-        try:
-            with self.telemetry.rpc("ClearCache", grpc_context):
-                principal = self._principal(grpc_context)
-                sid = self._session(request.session_id, principal)
-                if self.engine.known(sid):
-                    await asyncio.to_thread(self.engine.clear_cache, sid, principal)
-                return self._session_proto(sid, principal)
-        except BaseException as e:
-            set_status(grpc_context, e)
-            return spb.Session()
+    @unary(spb.Session)
+    async def ClearCache(self, request: spb.ClearCacheRequest, principal: str, span: RpcSpan) -> spb.Session:
+        sid = self._session(request.session_id, principal)
+        if self.engine.known(sid):
+            await asyncio.to_thread(self.engine.clear_cache, sid, principal)
+        return self._session_proto(sid, principal)
 
+    @unary(spb.CloseSessionResponse)
     async def CloseSession(
-        self, request: spb.CloseSessionRequest, grpc_context: Any = None
+        self, request: spb.CloseSessionRequest, principal: str, span: RpcSpan
     ) -> spb.CloseSessionResponse:
-        try:
-            with self.telemetry.rpc("CloseSession", grpc_context):
-                principal = self._principal(grpc_context)
-                sid = self._session(request.session_id, principal)
-                if self.engine.known(sid):
-                    await asyncio.to_thread(self.engine.close_session, sid, principal)
-                self._closed[sid] = None
-                while len(self._closed) > _CLOSED_REMEMBERED:
-                    self._closed.popitem(last=False)
-                return spb.CloseSessionResponse()
-        except BaseException as e:
-            set_status(grpc_context, e)
-            return spb.CloseSessionResponse()
+        sid = self._session(request.session_id, principal)
+        if self.engine.known(sid):
+            await asyncio.to_thread(self.engine.close_session, sid, principal)
+        self._closed[sid] = None
+        while len(self._closed) > _CLOSED_REMEMBERED:
+            self._closed.popitem(last=False)
+        return spb.CloseSessionResponse()
 
-    async def Warmup(self, request: spb.WarmupRequest, grpc_context: Any = None) -> spb.WarmupResponse:
-        try:
-            with self.telemetry.rpc("Warmup", grpc_context) as span:
-                principal = self._principal(grpc_context)
-                self._check_size(request)
-                sid = self._session(request.session_id, principal)
-                span.set_attribute("hotloop.session_id", sid)
-                hit = self.engine.known(sid)
-                messages = convert.messages_from_proto(request.messages, self.model.limits.max_messages)
-                settings = self._turn_settings(request.settings, sid, principal)
-                stream = await asyncio.to_thread(self.engine.warmup, sid, principal, messages, settings)
-                final = await stream.aresult()
-                assert final.usage is not None
-                by = pb.ServedBy()
-                by.CopyFrom(self.served_by)
-                by.cache_hit = hit
-                self.telemetry.record_usage(span, final, "Warmup")
-                return spb.WarmupResponse(
-                    usage=convert.usage_to_proto(final.usage),
-                    context_tokens=self.engine.session_info(sid, principal).context_tokens,
-                    served_by=by,
-                )
-        except BaseException as e:
-            set_status(grpc_context, e)
-            return spb.WarmupResponse()
+    @unary(spb.WarmupResponse)
+    async def Warmup(self, request: spb.WarmupRequest, principal: str, span: RpcSpan) -> spb.WarmupResponse:
+        self._check_size(request)
+        sid = self._session(request.session_id, principal)
+        span.set_attribute("hotloop.session_id", sid)
+        hit = self.engine.known(sid)
+        messages = convert.messages_from_proto(request.messages, self.model.limits.max_messages)
+        settings = self._turn_settings(request.settings, sid, principal)
+        stream = await asyncio.to_thread(self.engine.warmup, sid, principal, messages, settings)
+        final = await stream.aresult()
+        assert final.usage is not None
+        by = pb.ServedBy()
+        by.CopyFrom(self.served_by)
+        by.cache_hit = hit
+        self.telemetry.record_usage(span, final, "Warmup")
+        return spb.WarmupResponse(
+            usage=convert.usage_to_proto(final.usage),
+            context_tokens=self.engine.session_info(sid, principal).context_tokens,
+            served_by=by,
+        )
 
     def _turn_settings(self, msg: pb.Settings, sid: str, principal: str) -> Any:
         if not convert.has_settings(msg):

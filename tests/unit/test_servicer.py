@@ -1,0 +1,157 @@
+"""The servicer's one wrapper of unary RPCs (``servicer.unary``), without an engine: errors
+become statuses through ``status.py`` with an empty reply, a client's cancel is re-raised
+(never INTERNAL), and Ray Serve still sees the ``grpc_context`` parameter."""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import threading
+from typing import Any
+
+import grpc
+import pytest
+from hotloop.v1 import session_pb2
+
+from hotloop_serve.config import Config
+from hotloop_serve.errors import InvalidArgument
+from hotloop_serve.serve.auth import ANONYMOUS, Authenticator
+from hotloop_serve.serve.servicer import ModelServicer
+from hotloop_serve.serve.session_ids import SessionIds
+from hotloop_serve.serve.status import code_of
+from hotloop_serve.telemetry import Telemetry
+
+UNARY_RPCS = (
+    "ListModels",
+    "GetModel",
+    "Tokenize",
+    "CreateSession",
+    "GetSession",
+    "UpdateSettings",
+    "ClearCache",
+    "CloseSession",
+    "Warmup",
+)
+
+
+class Context:
+    """What the servicer uses of Ray Serve's gRPC context: metadata in, status out."""
+
+    def __init__(self, metadata: list[tuple[str, str]] | None = None) -> None:
+        self._metadata = metadata or []
+        self.code: grpc.StatusCode | None = None
+        self.details = ""
+
+    def invocation_metadata(self) -> list[tuple[str, str]]:
+        return self._metadata
+
+    def set_code(self, code: grpc.StatusCode) -> None:
+        self.code = code
+
+    def set_details(self, details: str) -> None:
+        self.details = details
+
+
+class FakeEngine:
+    """Just enough engine for ClearCache (blocks until released) and CloseSession."""
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+        self.entered = threading.Event()
+        self.fail: BaseException | None = None
+
+    def known(self, sid: str) -> bool:
+        return True
+
+    def clear_cache(self, sid: str, principal: str) -> None:
+        self.entered.set()
+        if self.fail is not None:
+            raise self.fail
+        self.release.wait(5)
+
+    def close_session(self, sid: str, principal: str) -> None:
+        pass
+
+
+def servicer(tokens: dict[str, str] | None = None) -> tuple[ModelServicer, FakeEngine, SessionIds]:
+    config = Config.model_validate({"models": [{"name": "m", "path": "/nonexistent.gguf"}]})
+    engine = FakeEngine()
+    ids = SessionIds(b"secret", "m")
+    auth = Authenticator(tokens or {})
+    return ModelServicer(config, config.models[0], engine, ids, auth, Telemetry("m", "r0")), engine, ids  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("name", UNARY_RPCS)
+def test_ray_sees_the_rpc_name_and_grpc_context(name: str) -> None:
+    # What Ray Serve's replica reads (UserMethodInfo.from_callable): the name and a parameter
+    # named exactly grpc_context, on the method the proxy calls.
+    method = getattr(ModelServicer, name)
+    assert method.__name__ == name
+    assert list(inspect.signature(method).parameters) == ["self", "request", "grpc_context"]
+    assert not hasattr(method, "__wrapped__")
+
+
+def test_a_hotloop_error_becomes_its_status_with_an_empty_reply() -> None:
+    s, _, _ = servicer()
+    ctx = Context()
+    reply = asyncio.run(s.GetSession(session_pb2.GetSessionRequest(session_id="nope"), ctx))
+    assert reply == session_pb2.Session()
+    assert ctx.code == grpc.StatusCode.NOT_FOUND, ctx.details
+
+
+def test_authentication_happens_in_the_wrapper() -> None:
+    s, _, ids = servicer({"alice": "a-long-enough-token"})
+    sid = ids.new("alice", "key-12345")
+    ctx = Context()
+    asyncio.run(s.ClearCache(session_pb2.ClearCacheRequest(session_id=sid), ctx))
+    assert ctx.code == grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_a_bug_is_internal_and_logged_not_raised(caplog: pytest.LogCaptureFixture) -> None:
+    s, engine, ids = servicer()
+    engine.fail = RuntimeError("boom")
+    ctx = Context()
+    reply = asyncio.run(s.ClearCache(session_pb2.ClearCacheRequest(session_id=ids.new(ANONYMOUS, "k" * 8)), ctx))
+    assert reply == session_pb2.Session()
+    assert ctx.code == grpc.StatusCode.INTERNAL
+    assert "boom" not in ctx.details  # the details name the class; the log has the trace
+    assert "RuntimeError" in ctx.details
+
+
+def test_a_client_cancel_is_re_raised_not_reported_as_internal() -> None:
+    s, engine, ids = servicer()
+    sid = ids.new(ANONYMOUS, "key-12345")
+    ctx = Context()
+
+    async def cancel_mid_call() -> None:
+        task = asyncio.create_task(s.ClearCache(session_pb2.ClearCacheRequest(session_id=sid), ctx))
+        await asyncio.to_thread(engine.entered.wait, 5)
+        task.cancel()
+        try:
+            with pytest.raises(asyncio.CancelledError):
+                await task
+        finally:
+            engine.release.set()
+
+    asyncio.run(cancel_mid_call())
+    assert ctx.code is None
+
+
+def test_unary_replies_pass_through() -> None:
+    s, engine, ids = servicer()
+    engine.release.set()
+    sid = ids.new(ANONYMOUS, "key-12345")
+    ctx = Context()
+    reply: Any = asyncio.run(s.CloseSession(session_pb2.CloseSessionRequest(session_id=sid), ctx))
+    assert reply == session_pb2.CloseSessionResponse()
+    assert ctx.code is None
+    again = Context()
+    asyncio.run(s.GetSession(session_pb2.GetSessionRequest(session_id=sid), again))
+    assert again.code == grpc.StatusCode.NOT_FOUND  # closed is closed
+
+
+def test_status_is_the_one_mapping() -> None:
+    assert code_of(InvalidArgument("x")) == grpc.StatusCode.INVALID_ARGUMENT
+    assert code_of(asyncio.CancelledError()) == grpc.StatusCode.CANCELLED
+    assert code_of(GeneratorExit()) == grpc.StatusCode.CANCELLED
+    assert code_of(KeyError("bug")) == grpc.StatusCode.INTERNAL
