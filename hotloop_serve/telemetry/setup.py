@@ -12,6 +12,7 @@ replica per pod, or a distinct port per replica through ``models[].env``).
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Mapping
 from typing import Any
@@ -22,6 +23,8 @@ from opentelemetry.sdk.metrics.export import ConsoleMetricExporter, MetricReader
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter, SpanExporter
+
+log = logging.getLogger(__name__)
 
 _configured: tuple[TracerProvider | None, MeterProvider | None] | None = None
 
@@ -89,8 +92,14 @@ def configure_telemetry(
         from prometheus_client import start_http_server
 
         host = env.get("OTEL_EXPORTER_PROMETHEUS_HOST", "0.0.0.0")
-        start_http_server(int(env.get("OTEL_EXPORTER_PROMETHEUS_PORT", "9464")), addr=host)
-        readers.append(PrometheusMetricReader())
+        port = int(env.get("OTEL_EXPORTER_PROMETHEUS_PORT", "9464"))
+        try:
+            start_http_server(port, addr=host)
+        except OSError as e:
+            # Another replica of this pod holds the port: serve requests, just without metrics.
+            log.warning("metrics not served: %s:%d is taken (%s); one replica per pod/port", host, port, e)
+        else:
+            readers.append(PrometheusMetricReader())
     elif kind in ("otlp", "console"):
         metric_exporter = _metric_exporter(env) if kind == "otlp" else ConsoleMetricExporter()
         interval = int(env.get("OTEL_METRIC_EXPORT_INTERVAL", "10000"))

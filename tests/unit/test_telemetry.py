@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import io
 import json
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -263,3 +264,160 @@ def test_prometheus_exporter_serves_metrics_for_scraping(tiny_model: Path) -> No
         meter_provider.shutdown()
     finally:
         setup._configured = saved
+
+
+def test_a_taken_prometheus_port_leaves_the_replica_serving_without_metrics() -> None:
+    import socket
+
+    from hotloop_serve.telemetry import setup
+
+    saved = setup._configured
+    setup._configured = None
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        env = {"OTEL_METRICS_EXPORTER": "prometheus", "OTEL_EXPORTER_PROMETHEUS_PORT": str(port),
+               "OTEL_EXPORTER_PROMETHEUS_HOST": "127.0.0.1", "OTEL_TRACES_EXPORTER": "none"}  # fmt: skip
+        try:
+            assert setup.configure_telemetry(env=env) == (None, None)
+        finally:
+            setup._configured = saved
+
+# --------------------------------------------------------------------------- the Grafana dashboard
+
+DASHBOARD = Path(__file__).resolve().parents[2] / "helm" / "hotloop-serve" / "files" / "grafana-dashboard.json"
+_SELECTOR = re.compile(r"([a-zA-Z_:][a-zA-Z0-9_:]*)\{([^}]*)\}")
+_MATCHER_LABEL = re.compile(r"([a-zA-Z_][a-zA-Z0-9_]*)\s*(?:=~|!~|!=|=)")
+_LABEL_VALUES = re.compile(r"label_values\(\s*([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{([^}]*)\})?\s*,\s*(\w+)\s*\)")
+_BY = re.compile(r"\bby\s*\(([^)]*)\)")
+_VARIABLE = re.compile(r"\$(?:\{)?([a-zA-Z_][a-zA-Z0-9_]*)")
+_BUILTIN_VARIABLES = {"__rate_interval", "__interval", "__range", "__all"}
+
+
+def exposed_series() -> dict[str, set[str]]:
+    """Prometheus metric name -> label names, as the OpenTelemetry Prometheus exporter exposes what
+    Telemetry records along its public paths (a served Generate, a failed one, the engine gauges)."""
+    from types import SimpleNamespace
+
+    from opentelemetry.exporter.prometheus import PrometheusMetricReader
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from hotloop_serve.engine.stream import Chunk, Timings, Usage
+    from hotloop_serve.errors import NotFound
+    from hotloop_serve.telemetry import semconv
+
+    registry = CollectorRegistry()
+    provider = MeterProvider(metric_readers=[PrometheusMetricReader(registry=registry)])
+    stats = SimpleNamespace(**{field: 1 for _, field, _ in semconv.GAUGES})
+    telemetry = Telemetry("m", "r0", lambda: stats, None, provider)
+    usage = Usage(prompt_tokens=10, cached_tokens=3, restored_tokens=1, prefilled_tokens=6, completion_tokens=5)
+    for method in ("Generate", "Warmup"):
+        with telemetry.rpc(method, None) as span:
+            telemetry.first_token(span, 0.01)
+            final = Chunk(finish_reason="eos", usage=usage, timings=Timings(1, 2, 3, 4), cache_hit=True)
+            telemetry.record_usage(span, final, method)
+    with pytest.raises(NotFound), telemetry.rpc("Generate", None):
+        raise NotFound("no such session")
+    series: dict[str, set[str]] = {}
+    for line in generate_latest(registry).decode().splitlines():
+        if line and not line.startswith("#"):
+            name, _, rest = line.partition("{")
+            labels = {kv.split("=", 1)[0] for kv in re.findall(r'([a-zA-Z_][a-zA-Z0-9_]*="[^"]*")', rest)}
+            series.setdefault(name.split(" ")[0], set()).update(labels)
+    provider.shutdown()
+    return series
+
+
+def _balanced(text: str) -> bool:
+    stack: list[str] = []
+    pairs = {")": "(", "]": "[", "}": "{"}
+    quoted = False
+    for c in text:
+        if c == '"':
+            quoted = not quoted
+        elif quoted:
+            continue
+        elif c in "([{":
+            stack.append(c)
+        elif c in pairs and (not stack or stack.pop() != pairs[c]):
+            return False
+    return not stack and not quoted
+
+
+def test_dashboard_is_a_grafana_dashboard_model() -> None:
+    """The structure Grafana's dashboard JSON model requires (no JSON schema of it ships offline):
+    identity, a non-overlapping 24-column grid, unique panel ids and refIds, Prometheus targets
+    through the dashboard's datasource variable, and only defined variables in queries."""
+    dash = json.loads(DASHBOARD.read_text())
+    assert isinstance(dash["title"], str) and dash["title"]
+    assert re.fullmatch(r"[a-zA-Z0-9_-]{1,40}", dash["uid"])
+    assert isinstance(dash["schemaVersion"], int) and dash["schemaVersion"] >= 36
+    assert {"from", "to"} <= set(dash["time"])
+    variables = {v["name"]: v for v in dash["templating"]["list"]}
+    assert variables["datasource"]["type"] == "datasource" and variables["datasource"]["query"] == "prometheus"
+    defined = set(variables) | _BUILTIN_VARIABLES
+    ids = [p["id"] for p in dash["panels"]]
+    assert len(ids) == len(set(ids)) and all(isinstance(i, int) for i in ids)
+    cells: set[tuple[int, int]] = set()
+    graphs = 0
+    for panel in dash["panels"]:
+        g = panel["gridPos"]
+        assert all(isinstance(g[k], int) for k in "hwxy") and g["x"] >= 0 and g["w"] >= 1 and g["h"] >= 1
+        assert g["x"] + g["w"] <= 24, panel["title"]
+        area = {(x, y) for x in range(g["x"], g["x"] + g["w"]) for y in range(g["y"], g["y"] + g["h"])}
+        assert not area & cells, f"{panel['title']} overlaps another panel"
+        cells |= area
+        assert panel["type"] in {"row", "timeseries", "stat", "gauge", "bargauge", "table"}
+        if panel["type"] == "row":
+            continue
+        graphs += 1
+        assert panel["datasource"] == {"type": "prometheus", "uid": "${datasource}"}
+        assert isinstance(panel["fieldConfig"]["defaults"]["unit"], str)
+        refs = [t["refId"] for t in panel["targets"]]
+        assert refs and len(refs) == len(set(refs))
+        for target in panel["targets"]:
+            assert target["datasource"] == panel["datasource"]
+            assert target["expr"] and _balanced(target["expr"]), target["expr"]
+            assert set(_VARIABLE.findall(target["expr"])) <= defined, target["expr"]
+    assert graphs >= 10
+    for var in variables.values():
+        if var["type"] == "query":
+            assert set(_VARIABLE.findall(var["definition"])) <= defined
+
+
+def test_every_dashboard_query_names_metrics_and_labels_we_emit() -> None:
+    series = exposed_series()
+    dash = json.loads(DASHBOARD.read_text())
+    queries = [t["expr"] for p in dash["panels"] if p["type"] != "row" for t in p["targets"]]
+    used: set[str] = set()
+    for var in dash["templating"]["list"]:
+        if var["type"] == "query":
+            match = _LABEL_VALUES.fullmatch(var["definition"])
+            assert match, var["definition"]
+            metric, matchers, label = match.groups()
+            assert metric in series and label in series[metric], var["definition"]
+            assert set(_MATCHER_LABEL.findall(matchers or "")) <= series[metric]
+    for expr in queries:
+        selectors = _SELECTOR.findall(expr)
+        assert selectors, f"no metric in {expr!r}"
+        labels_here: set[str] = {"le"}
+        for metric, matchers in selectors:
+            assert metric in series, f"{metric} is not a metric hotloop-serve emits (query {expr!r})"
+            used.add(metric)
+            labels_here |= series[metric]
+            assert set(_MATCHER_LABEL.findall(matchers)) <= series[metric], (metric, matchers)
+        for group in _BY.findall(expr):
+            assert {label.strip() for label in group.split(",")} <= labels_here, (group, expr)
+    # the issue's panels: tokens/s, TTFT and inter-token latency, cache reuse, queue, KV, evictions
+    for metric in (
+        "hotloop_tokens_generated_total",
+        "gen_ai_server_time_to_first_token_seconds_bucket",
+        "gen_ai_server_time_per_output_token_seconds_bucket",
+        "hotloop_cache_reuse_ratio_sum",
+        "hotloop_queue_depth",
+        "hotloop_kv_tokens",
+        "hotloop_kv_evicted_bytes",
+        "hotloop_sessions_evicted",
+    ):
+        assert metric in used, metric
