@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 GiB = 1024**3
+KV_TYPES = ("f16", "q8_0", "q4_0")
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,20 @@ class EngineOptions:
     weights are not repacked (repacked kernels round differently for 1 and N rows) and flash
     attention skips masked cells. A fixed seed then reproduces a reply under any load, and an
     evicted-and-restored session continues exactly; measured cost: about 3% single stream."""
+    kv_layout: str = "unified"
+    """``unified``: one pool of ``context_tokens`` cells shared by all hot sessions (any session may
+    grow to ``session_context_tokens``). ``per_session``: each hot session gets its own stream of
+    ``context_tokens / hot_sessions`` cells (faster attention at many sessions; that is then
+    also the per-session cap). See bench/engine.py for the measured trade-off."""
+    swa_full: bool = True
+    """Keep a full-size cache for sliding-window layers (Gemma 3), so a cache can be cut at any
+    turn without a rebuild. Off: smaller and faster, but an edited turn older than the window
+    re-prefills the whole history."""
+    kv_type_k: str = "f16"
+    """Data type of cached keys: f16, q8_0 (about half the bytes) or q4_0."""
+    kv_type_v: str = "f16"
+    """Data type of cached values: f16, q8_0 or q4_0 (quantized values need flash attention,
+    which is then turned on)."""
     idle_ttl_s: float = 3600.0
     """A session untouched this long is forgotten."""
     seed: int = 0
@@ -54,9 +69,9 @@ class EngineOptions:
         checks = {
             "context_tokens": self.context_tokens >= 64,
             "session_context_tokens": 32 <= self.session_context_tokens <= self.context_tokens,
+            "evicted_bytes": self.evicted_bytes >= 0,
             "hot_sessions": 1 <= self.hot_sessions <= 256,
             "max_sessions": self.max_sessions >= self.hot_sessions,
-            "evicted_bytes": self.evicted_bytes >= 0,
             "max_queue": self.max_queue >= 0,
             "batch_tokens": 8 <= self.batch_tokens <= 8192 and self.batch_tokens >= self.hot_sessions,
             "prefill_chunk": 1 <= self.prefill_chunk <= self.batch_tokens,
@@ -64,6 +79,9 @@ class EngineOptions:
             "threads": self.threads >= 0,
             "gpu_layers": self.gpu_layers >= -1,
             "idle_ttl_s": self.idle_ttl_s > 0,
+            "kv_layout": self.kv_layout in ("unified", "per_session"),
+            "kv_type_k": self.kv_type_k in KV_TYPES,
+            "kv_type_v": self.kv_type_v in KV_TYPES,
         }
         bad = [name for name, ok in checks.items() if not ok]
         if bad:

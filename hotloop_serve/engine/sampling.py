@@ -13,27 +13,73 @@ sequence until it knows.
 from __future__ import annotations
 
 import codecs
+import ctypes
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import llama_cpp as ll
 
 from hotloop_serve.engine.settings import SamplingSettings
 
 
+def _penalties_binding() -> Callable[[int, float, float, float], ll.llama_sampler_p]:
+    """``llama_sampler_init_penalties`` with llama.h's real signature.
+
+    llama-cpp-python 0.3.36 declares an extra leading ``n_vocab`` argument the C function no
+    longer takes: through it, the vocabulary size lands in ``penalty_last_n`` and the window
+    silently covers every token. Bind the C symbol directly instead.
+    """
+    lib = ctypes.CDLL(ll.llama_cpp._lib._name)  # a handle of our own: llama_cpp's cached binding stays as it is
+    fn = lib.llama_sampler_init_penalties
+    fn.argtypes = [ctypes.c_int32, ctypes.c_float, ctypes.c_float, ctypes.c_float]
+    fn.restype = ll.llama_sampler_p_ctypes
+    return fn
+
+
+_init_penalties = _penalties_binding()
+_RANDOM_SEED_SENTINEL = 0xFFFFFFFF  # llama.cpp's LLAMA_DEFAULT_SEED: "draw a random seed"
+
+
+def fold_seed(seed: int) -> int:
+    """A 64-bit user seed folded to llama.cpp's 32 bits, every bit mattering, never its random sentinel."""
+    folded = (seed ^ (seed >> 32)) & 0xFFFFFFFF
+    return 0x9E3779B9 if folded == _RANDOM_SEED_SENTINEL else folded
+
+
+def prefilter_k(settings: SamplingSettings) -> int:
+    """Width of a top-k cut placed before the penalties that leaves the result unchanged (0: none).
+
+    The penalties sampler scans every candidate (262,144 for Gemma) each step; llama.h advises
+    cutting first. A penalty >= 1 only lowers the logits of at most ``repeat_last_n`` tokens,
+    so the final top ``k`` after penalties always lie within the original top ``k +
+    repeat_last_n``: cutting there first is exact. Greedy is top-1 of the same argument. A
+    penalty < 1 raises tokens, and top_k 0 keeps the whole tail for top_p/min_p: no cut there.
+    """
+    if settings.repeat_penalty < 1.0:
+        return 0
+    k = 1 if settings.greedy else settings.top_k
+    return k + settings.repeat_last_n if k > 0 else 0
+
+
 class Sampler:
-    """A llama.cpp sampler chain for one request; free() it when the request ends."""
+    """A llama.cpp sampler chain for one request; free() it when the request ends.
 
-    __slots__ = ("_chain", "seed")
+    Repeat penalty semantics follow hot-loop: the window covers the reply being generated, not
+    the history (a history always ends in an end-of-turn token, which must stay likely), and an
+    end-of-generation token ends the reply before it could ever be penalized.
+    """
 
-    def __init__(self, settings: SamplingSettings, n_vocab: int, history: Sequence[int], rng: random.Random) -> None:
-        # llama.cpp seeds are 32-bit; fold a 64-bit user seed so every bit matters.
+    __slots__ = ("_chain",)
+
+    def __init__(self, settings: SamplingSettings, n_vocab: int, rng: random.Random) -> None:
         seed = settings.seed if settings.seed is not None else rng.getrandbits(64)
-        self.seed = seed
         chain = ll.llama_sampler_chain_init(ll.llama_sampler_chain_default_params())
         add = ll.llama_sampler_chain_add
         if settings.repeat_penalty != 1.0 and settings.repeat_last_n > 0:
-            add(chain, ll.llama_sampler_init_penalties(n_vocab, settings.repeat_last_n, settings.repeat_penalty, 0, 0))
+            k = prefilter_k(settings)
+            if 0 < k < n_vocab:
+                add(chain, ll.llama_sampler_init_top_k(k))
+            add(chain, _init_penalties(settings.repeat_last_n, settings.repeat_penalty, 0.0, 0.0))
         if settings.greedy:
             add(chain, ll.llama_sampler_init_greedy())
         else:
@@ -44,11 +90,7 @@ class Sampler:
             if settings.min_p > 0.0:
                 add(chain, ll.llama_sampler_init_min_p(settings.min_p, 1))
             add(chain, ll.llama_sampler_init_temp(settings.temperature))
-            add(chain, ll.llama_sampler_init_dist((seed ^ (seed >> 32)) & 0xFFFFFFFF))
-        # The repeat penalty looks at the conversation, not only at this reply.
-        if settings.repeat_penalty != 1.0:
-            for tok in history[-settings.repeat_last_n :] if settings.repeat_last_n else ():
-                ll.llama_sampler_accept(chain, tok)
+            add(chain, ll.llama_sampler_init_dist(fold_seed(seed)))
         self._chain = chain
 
     def sample(self, ctx: ll.llama_context_p, output_index: int) -> int:

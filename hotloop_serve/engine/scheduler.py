@@ -1,15 +1,37 @@
-"""Deciding each step's batch: which requests get how many tokens (pure; no model).
+"""The scheduler: which requests run each step, with how many tokens, and what memory they get.
 
-Continuous batching in one rule set: every decoding request gets exactly one token per
-step, then prefill takes what is left of the batch, in arrival order, in bounded chunks
-while others are decoding so a long prompt never freezes their streams.
+A step is ``schedule()`` (here: reap, admit, plan, make room) -> the engine's decode ->
+the engine's update (sample, stream, finish). The scheduler never touches the model; it
+moves requests through their state machine (``requests.py``) and asks the KV manager
+(``kv.py``) for sequences and cells, so all of it is tested with a fake memory.
+
+Rules, in order of precedence:
+
+- **Admission**: oldest first; pre-empted requests come back before new ones. A request
+  waits while its session is held by another request, while the batch is full, or while no
+  sequence or room for its prompt can be had by evicting idle sessions. When nothing else
+  runs it is admitted anyway (a session always fits an empty pool).
+- **Batch** (:func:`plan_batch`): every decoding request gets exactly one token; prefill
+  takes what is left, shortest remaining prompt first (a short hot follow-up never waits
+  behind a long cold prompt), in bounded chunks while others decode so their streams keep
+  flowing.
+- **Memory pressure**: before a step, room for its new tokens is made by evicting idle
+  sessions (LRU), then by pre-empting running requests, newest first: their KV goes to host
+  RAM and they resume exactly where they were. Nobody fails because others grew.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
+
+from hotloop_serve.engine.kv import KVManager, common_prefix
+from hotloop_serve.engine.requests import Request, RequestKind, RequestState
+from hotloop_serve.engine.session import SessionPhase
+from hotloop_serve.errors import Cancelled, HotloopError, NotFound
 
 
 class Schedulable(Protocol):
@@ -25,31 +47,200 @@ class Schedulable(Protocol):
 
 @dataclass(frozen=True, slots=True)
 class BatchPlan:
-    """Indexes into the active list with the number of tokens each contributes this step."""
+    """Indexes into the running list with the number of tokens each contributes this step."""
 
     decode: tuple[int, ...]
     prefill: tuple[tuple[int, int], ...]
 
     @property
-    def total(self) -> int:
+    def new_tokens(self) -> int:
         return len(self.decode) + sum(n for _, n in self.prefill)
 
 
-def plan_batch(active: Sequence[Schedulable], batch_tokens: int, prefill_chunk: int) -> BatchPlan:
-    """One step's batch for ``active`` (in arrival order) within ``batch_tokens`` tokens."""
+def plan_batch(
+    active: Sequence[Schedulable], batch_tokens: int, prefill_chunk: int, lone_last_token: bool = True
+) -> BatchPlan:
+    """One step's batch for ``active`` within ``batch_tokens`` tokens.
+
+    ``lone_last_token``: the last prompt token of a reply goes alone, like a decode step, so
+    the logits of its first token never depend on how the prompt was split (batch invariance).
+    """
     decode = tuple(i for i, r in enumerate(active) if r.decoding)
     budget = batch_tokens - len(decode)
     if decode:
         budget = min(budget, prefill_chunk)
+    waiting = sorted(
+        (i for i, r in enumerate(active) if not r.decoding and r.prefill_remaining > 0),
+        key=lambda i: (active[i].prefill_remaining, i),
+    )
     prefill: list[tuple[int, int]] = []
-    for i, r in enumerate(active):
+    for i in waiting:
         if budget <= 0:
             break
+        r = active[i]
         n = r.prefill_remaining
-        if not r.decoding and n > 0:
-            # The last prompt token goes alone, like a decode step: the logits of a reply's
-            # first token then never depend on how the prompt was split (batch invariance).
-            take = min(n - 1 if n > 1 and r.needs_logits else n, budget)
-            prefill.append((i, take))
-            budget -= take
+        if lone_last_token and n > 1 and r.needs_logits:
+            n -= 1
+        take = min(n, budget)
+        prefill.append((i, take))
+        budget -= take
     return BatchPlan(decode, tuple(prefill))
+
+
+EndRequest = Callable[[Request, RequestState, HotloopError | None], None]
+
+
+class Scheduler:
+    """Waiting and running requests of one engine. Scheduler thread only."""
+
+    def __init__(
+        self,
+        kv: KVManager,
+        *,
+        max_running: int,
+        batch_tokens: int,
+        prefill_chunk: int,
+        lone_last_token: bool,
+        end: EndRequest,
+    ) -> None:
+        self.kv = kv
+        self.max_running = max_running
+        self.batch_tokens = batch_tokens
+        self.prefill_chunk = prefill_chunk
+        self.lone_last_token = lone_last_token
+        self._end = end
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    # -- one step --
+    def schedule(self) -> BatchPlan:
+        """Reap, admit, plan, and make room for the plan; the engine then runs it on ``running``."""
+        self.reap()
+        self.admit()
+        plan = plan_batch(self.running, self.batch_tokens, self.prefill_chunk, self.lone_last_token)
+        while plan.new_tokens and not self._make_room(plan.new_tokens):
+            if len(self.running) <= 1 or not self.preempt_newest():
+                break  # one request alone always fits; let llama.cpp have the last word
+            plan = plan_batch(self.running, self.batch_tokens, self.prefill_chunk, self.lone_last_token)
+        return plan
+
+    def _make_room(self, tokens: int) -> bool:
+        return self.kv.make_room(tokens, [r.session for r in self.running])
+
+    def reap(self) -> None:
+        """End cancelled requests (their session keeps its cache) and drop finished ones."""
+        for req in [r for r in self.running if r.cancel_requested and r.state is not RequestState.CACHING_TAIL]:
+            self._end(req, RequestState.CANCELLED, Cancelled("request cancelled"))
+        self.running = [r for r in self.running if r.live]
+        for req in [r for r in self.waiting if r.cancel_requested or not r.live]:
+            self.waiting.remove(req)
+            if req.live:
+                if req.state is RequestState.PREEMPTED:
+                    self.kv.discard_saved(req.session)  # its saved KV was pinned for it alone
+                self._end(req, RequestState.CANCELLED, Cancelled("request cancelled"))
+
+    def admit(self) -> None:
+        still: deque[Request] = deque()
+        while self.waiting:
+            req = self.waiting.popleft()
+            s = req.session
+            if s.closed:
+                self._end(req, RequestState.FAILED, NotFound(f"session {s.id} was closed"))
+                continue
+            if (s.request is not None and s.request is not req) or len(self.running) >= self.max_running:
+                still.append(req)
+                continue
+            protect = [r.session for r in self.running]
+            if not self.kv.acquire(s, protect):
+                still.append(req)
+                continue
+            if req.state is RequestState.PREEMPTED:
+                self._resume(req)
+                continue
+            cached = common_prefix(s.tokens, req.prompt) if s.phase is SessionPhase.HOT else 0
+            if self.running and not self.kv.make_room(len(req.prompt) - cached + 1, [s, *protect]):
+                still.append(req)
+                continue
+            self._start(req)
+        self.waiting = still
+
+    def _start(self, req: Request) -> None:
+        """Admit a new request: restore or reuse its session's cache, cut to the common prefix."""
+        s = req.session
+        s.request = req
+        s.pending -= 1
+        req.t_admit = req.t_admit or time.perf_counter()
+        protect = [r.session for r in self.running]
+        restored = self.kv.restore(s, protect) if s.phase is SessionPhase.EVICTED else 0
+        prompt = req.prompt
+        generate = req.kind is RequestKind.GENERATE
+        reuse = common_prefix(s.tokens, prompt)
+        if req.kind is RequestKind.WARMUP and reuse == len(prompt):
+            # Warmup only adds: a cache that already starts with this prompt is left whole.
+            req.usage.cached_tokens = 0 if restored else reuse
+            req.usage.restored_tokens = reuse if restored else 0
+            req.transition(RequestState.PREFILLING)
+            self._end(req, RequestState.FINISHED, None)
+            return
+        if generate and reuse == len(prompt):
+            reuse -= 1  # the last prompt token is decoded again to get its logits
+        kept = self.kv.cut(s, reuse)
+        shared = self.kv.copy_prefix(s, prompt, len(prompt) - (1 if generate else 0)) if kept == 0 else 0
+        if restored and kept:
+            req.usage.restored_tokens = kept
+        else:
+            req.usage.cached_tokens = kept
+        req.usage.cached_tokens += shared
+        req.usage.prefilled_tokens = len(prompt) - kept - shared
+        req.transition(RequestState.PREFILLING)
+        self.running.append(req)
+        if req.kind is RequestKind.WARMUP and req.prefill_remaining == 0:
+            self._end(req, RequestState.FINISHED, None)
+
+    def _resume(self, req: Request) -> None:
+        """Bring a pre-empted request back where it was (or rebuild its cache if RAM lost it)."""
+        s = req.session
+        tokens = list(s.tokens)
+        restored = self.kv.restore(s, [r.session for r in self.running])
+        if restored:
+            req.transition(RequestState.DECODING if req.last_token is not None else RequestState.PREFILLING)
+        else:
+            if req.last_token is not None:  # replay what it had, then decode the pending token
+                req.prompt = tokens
+                req.resume_token = req.last_token
+                req.last_token = None
+            req.transition(RequestState.PREFILLING)
+        self.running.append(req)
+
+    def preempt_newest(self) -> bool:
+        """Free the cells of the most recently submitted running request; False if none can go."""
+        for req in sorted(self.running, key=lambda r: r.order, reverse=True):
+            if req.state is RequestState.CACHING_TAIL:
+                # Its reply is complete: finish now, without caching the last token.
+                self._end(req, RequestState.FINISHED, None)
+            else:
+                self.kv.preempt(req.session)
+                req.transition(RequestState.PREEMPTED)
+                self._requeue(req)
+            self.running.remove(req)
+            return True
+        return False
+
+    def _requeue(self, req: Request) -> None:
+        """Pre-empted requests go back ahead of new ones, oldest first."""
+        i = 0
+        while i < len(self.waiting) and self.waiting[i].state is RequestState.PREEMPTED:
+            if self.waiting[i].order > req.order:
+                break
+            i += 1
+        self.waiting.insert(i, req)
+
+    def drop_finished(self) -> None:
+        self.running = [r for r in self.running if r.live]
+
+    @property
+    def requests(self) -> list[Request]:
+        return [*self.running, *self.waiting]

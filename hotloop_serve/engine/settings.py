@@ -35,7 +35,8 @@ class SamplingSettings:
     repeat_penalty: float = 1.1
     """Penalty on tokens seen in the last ``repeat_last_n``; 1 disables it."""
     repeat_last_n: int = 64
-    """How many recent tokens (prompt included) the repeat penalty looks at."""
+    """How many recent tokens of the reply being generated the repeat penalty looks at (as in
+    hot-loop: the history is not penalized, and end-of-generation tokens never are)."""
     stop: tuple[str, ...] = field(default_factory=tuple)
     """Generation ends before the first of these strings; it is not returned."""
     min_p: float = 0.05
@@ -46,8 +47,15 @@ class SamplingSettings:
     def __post_init__(self) -> None:
         self.validate()
 
-    def validate(self, max_sample_len: int | None = None) -> None:
-        """Raise InvalidArgument naming the first bad field, with the accepted range."""
+    def validate(
+        self, max_sample_len: int | None = None, context_tokens: int | None = None, vocab_size: int | None = None
+    ) -> None:
+        """Raise InvalidArgument naming the first bad field, with the accepted range.
+
+        The optional bounds are the serving engine's (its sample_len cap, a session's context
+        window, the model's vocabulary): with them every field is bounded before anything is
+        allocated for it, whatever the caller sends.
+        """
         _finite("temperature", self.temperature)
         if self.temperature < 0:
             raise InvalidArgument(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
@@ -55,6 +63,10 @@ class SamplingSettings:
             raise InvalidArgument(f"sample_len must be >= 1, got {self.sample_len}")
         if max_sample_len is not None and self.sample_len > max_sample_len:
             raise InvalidArgument(f"sample_len must be <= {max_sample_len} on this server, got {self.sample_len}")
+        if context_tokens is not None and self.sample_len > context_tokens:
+            raise InvalidArgument(
+                f"sample_len must be <= {context_tokens} (a session's context window), got {self.sample_len}"
+            )
         if self.seed is not None and not 0 <= self.seed <= MAX_SEED:
             raise InvalidArgument(f"seed must be in [0, 2^64), got {self.seed}")
         _finite("top_p", self.top_p)
@@ -62,11 +74,17 @@ class SamplingSettings:
             raise InvalidArgument(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise InvalidArgument(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+        if vocab_size is not None and self.top_k > vocab_size:
+            raise InvalidArgument(f"top_k must be <= {vocab_size} (the model's vocabulary), got {self.top_k}")
         _finite("repeat_penalty", self.repeat_penalty)
         if self.repeat_penalty <= 0:
             raise InvalidArgument(f"repeat_penalty must be > 0 (1 disables it), got {self.repeat_penalty}")
         if self.repeat_last_n < 0:
             raise InvalidArgument(f"repeat_last_n must be >= 0, got {self.repeat_last_n}")
+        if context_tokens is not None and self.repeat_last_n > context_tokens:
+            raise InvalidArgument(
+                f"repeat_last_n must be <= {context_tokens} (a session's context window), got {self.repeat_last_n}"
+            )
         _finite("min_p", self.min_p)
         if not 0 <= self.min_p < 1:
             raise InvalidArgument(f"min_p must be in [0, 1), got {self.min_p}")

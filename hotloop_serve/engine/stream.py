@@ -13,7 +13,7 @@ import contextlib
 import threading
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from hotloop_serve.errors import HotloopError
 
@@ -48,7 +48,6 @@ class Chunk:
     usage: Usage | None = None
     timings: Timings | None = None
     cache_hit: bool = False
-    extra: dict[str, float] = field(default_factory=dict)
 
     @property
     def final(self) -> bool:

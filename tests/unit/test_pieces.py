@@ -29,8 +29,17 @@ class R:
 def test_decoders_get_one_token_each_and_prefill_is_chunked_beside_them() -> None:
     plan = plan_batch([R(True, 0), R(False, 1000), R(True, 0), R(False, 50)], batch_tokens=512, prefill_chunk=128)
     assert plan.decode == (0, 2)
-    assert plan.prefill == ((1, 128),)
-    assert plan.total == 130
+    assert plan.prefill == ((3, 50), (1, 78))  # the short prompt first, the long one gets the rest
+    assert plan.new_tokens == 130
+
+
+def test_a_short_prompt_never_waits_behind_a_long_one() -> None:
+    plan = plan_batch([R(False, 4000, True), R(False, 30, True)], batch_tokens=512, prefill_chunk=128)
+    assert plan.prefill == ((1, 29), (0, 483))
+
+
+def test_without_batch_invariance_the_last_prompt_token_rides_with_the_prompt() -> None:
+    assert plan_batch([R(False, 20, True)], 512, 128, lone_last_token=False).prefill == ((0, 20),)
 
 
 def test_prefill_alone_uses_the_whole_batch_in_arrival_order() -> None:

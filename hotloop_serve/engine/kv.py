@@ -1,0 +1,338 @@
+"""The KV/sequence manager: which session holds which llama.cpp sequence, and where every cache is.
+
+It owns admission to KV memory (a sequence and room in the pool of cells), eviction of idle
+sessions to host RAM and their exact restore, pre-emption of running ones under memory
+pressure, longest-prefix reuse and shared-prefix copies. It talks to llama.cpp only through
+:class:`KVMemory`, a handful of memory calls, so every rule here is unit-tested with a fake
+memory (``tests/unit/test_kv.py``); :class:`LlamaKVMemory` is the real one.
+
+Sliding-window attention (Gemma 3: 5 of 6 layers see the last 512 positions). llama.cpp
+reuses a sequence's sliding-window cells once they fall out of its window, even with a
+full-size SWA cache, and saving a sequence keeps only its window. Cutting a cache back (an
+edited turn) or copying a prefix into another sequence may then need cells that are gone,
+and nothing in llama.cpp errors: the session would run without part of its context. So
+after every cut or copy the manager counts the sliding-window cells the new end of the cache
+needs (:meth:`KVMemory.window_cells`); if any is missing, the cache is rebuilt from scratch.
+Recurrent and hybrid models cannot cut or copy part of a state at all: there only whole
+caches are reused.
+
+Accounting: a hot session occupies ``len(tokens)`` cells of the shared pool (an upper bound:
+shared-prefix copies share cells). Before each step the scheduler asks for room for the
+step's tokens; idle sessions are evicted first, then running requests are pre-empted.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import time
+from collections.abc import Iterable, Sequence
+from typing import Protocol
+
+import llama_cpp as ll
+
+from hotloop_serve.engine.session import EvictedStore, KVBytes, Session, SessionPhase
+
+log = logging.getLogger(__name__)
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the longest common prefix of two token lists."""
+    n = min(len(a), len(b))
+    i = 0
+    # Compare in blocks first: histories are long and mostly equal.
+    while i + 64 <= n and a[i : i + 64] == b[i : i + 64]:
+        i += 64
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+class KVMemory(Protocol):
+    """The llama.cpp memory operations the manager needs, one sequence at a time."""
+
+    @property
+    def n_swa(self) -> int:
+        """Sliding-window size of the model (0: none)."""
+
+    @property
+    def partial_ok(self) -> bool:
+        """Whether part of a sequence can be removed or copied (False for recurrent/hybrid models)."""
+
+    def seq_rm(self, seq: int, p0: int, p1: int) -> bool: ...
+
+    def seq_cp(self, src: int, dst: int, p0: int, p1: int) -> None: ...
+
+    def window_cells(self, seq: int) -> int:
+        """Cells the sliding-window cache holds for ``seq`` within the window of its last position."""
+
+    def save(self, seq: int) -> KVBytes | None: ...
+
+    def restore(self, seq: int, data: KVBytes) -> bool: ...
+
+
+class LlamaKVMemory:
+    """:class:`KVMemory` over a llama.cpp context."""
+
+    def __init__(self, ctx: ll.llama_context_p, model: ll.llama_model_p, probe_token: int) -> None:
+        self._ctx = ctx
+        self._mem = ll.llama_get_memory(ctx)
+        self._n_swa = int(ll.llama_model_n_swa(model))
+        self._partial_ok = not (ll.llama_model_is_recurrent(model) or ll.llama_model_is_hybrid(model))
+        self._cell_bytes = 0
+        self._base_bytes = 0
+        if self._n_swa > 0 and self._partial_ok:
+            self._calibrate(probe_token)
+
+    @property
+    def n_swa(self) -> int:
+        return self._n_swa if self._cell_bytes else 0
+
+    @property
+    def partial_ok(self) -> bool:
+        return self._partial_ok
+
+    def _calibrate(self, token: int) -> None:
+        """Learn the sliding-window state size of one cell by decoding two tokens into sequence 0.
+
+        A sequence's SWA-only state is ``base + cells * cell_bytes`` bytes (llama.cpp writes the
+        same header and per-cell rows whatever the layout), so its size counts its cells.
+        """
+        batch = ll.llama_batch_init(1, 0, 1)
+        sizes = []
+        try:
+            for pos in range(2):
+                batch.n_tokens = 1
+                batch.token[0] = token
+                batch.pos[0] = pos
+                batch.n_seq_id[0] = 1
+                batch.seq_id[0][0] = 0
+                batch.logits[0] = False
+                if ll.llama_decode(self._ctx, batch) != 0:
+                    return
+                sizes.append(self._swa_size(0))
+        finally:
+            ll.llama_memory_seq_rm(self._mem, 0, -1, -1)
+            ll.llama_batch_free(batch)
+        self._cell_bytes = sizes[1] - sizes[0]
+        self._base_bytes = sizes[0] - self._cell_bytes
+        if self._cell_bytes <= 0:
+            log.warning("could not size sliding-window cells; edited turns will re-prefill from scratch")
+            self._cell_bytes = 0
+
+    def _swa_size(self, seq: int) -> int:
+        return int(ll.llama_state_seq_get_size_ext(self._ctx, seq, ll.LLAMA_STATE_SEQ_FLAGS_SWA_ONLY))
+
+    def seq_rm(self, seq: int, p0: int, p1: int) -> bool:
+        return bool(ll.llama_memory_seq_rm(self._mem, seq, p0, p1))
+
+    def seq_cp(self, src: int, dst: int, p0: int, p1: int) -> None:
+        ll.llama_memory_seq_cp(self._mem, src, dst, p0, p1)
+
+    def window_cells(self, seq: int) -> int:
+        if not self._cell_bytes:
+            return 0
+        return (self._swa_size(seq) - self._base_bytes) // self._cell_bytes
+
+    def save(self, seq: int) -> KVBytes | None:
+        size = ll.llama_state_seq_get_size(self._ctx, seq)
+        buf = (ctypes.c_uint8 * size)()
+        return buf if ll.llama_state_seq_get_data(self._ctx, buf, size, seq) else None
+
+    def restore(self, seq: int, data: KVBytes) -> bool:
+        return bool(ll.llama_state_seq_set_data(self._ctx, data, len(data), seq))
+
+
+class KVManager:
+    """Sequences, cells and RAM for one engine's sessions. Scheduler thread only."""
+
+    def __init__(
+        self,
+        memory: KVMemory,
+        *,
+        sequences: int,
+        capacity_tokens: int,
+        evicted_bytes: int,
+        shared_prefix_min_tokens: int,
+        pooled: bool = True,
+    ) -> None:
+        self.memory = memory
+        self.capacity = capacity_tokens
+        """Cells all hot sessions share (unified layout); per-sequence layouts never contend."""
+        self.pooled = pooled
+        self.shared_prefix_min_tokens = shared_prefix_min_tokens
+        self.evicted = EvictedStore(evicted_bytes)
+        self._free = list(range(sequences - 1, -1, -1))
+        self.hot: dict[int, Session] = {}
+        self.counters = {"evictions": 0, "drops": 0, "preemptions": 0, "restores": 0, "restore_failures": 0,
+                         "window_resets": 0}  # fmt: skip
+
+    # -- reading --
+    @property
+    def free_sequences(self) -> int:
+        return len(self._free)
+
+    def used(self) -> int:
+        return sum(len(s.tokens) for s in self.hot.values())
+
+    def fits(self, tokens: int) -> bool:
+        return not self.pooled or self.used() + tokens <= self.capacity
+
+    def _idle_hot(self, protect: Iterable[Session]) -> list[Session]:
+        keep = {id(s) for s in protect}
+        return [s for s in self.hot.values() if s.request is None and id(s) not in keep]
+
+    # -- making room --
+    def evict_lru(self, protect: Iterable[Session] = ()) -> bool:
+        """Evict the least recently used idle hot session; False when there is none."""
+        idle = self._idle_hot(protect)
+        if not idle:
+            return False
+        self.evict(min(idle, key=lambda s: s.last_used))
+        return True
+
+    def make_room(self, tokens: int, protect: Iterable[Session] = ()) -> bool:
+        """Evict idle sessions (LRU) until ``tokens`` more cells fit; False if they still do not."""
+        protect = list(protect)
+        while not self.fits(tokens):
+            if not self.evict_lru(protect):
+                return False
+        return True
+
+    def acquire(self, s: Session, protect: Iterable[Session] = ()) -> bool:
+        """Give ``s`` a sequence (evicting an idle session if none is free); False if none can be had."""
+        if s.seq is not None:
+            return True
+        if not self._free and not self.evict_lru([s, *protect]):
+            return False
+        seq = self._free.pop()
+        s.seq = seq
+        self.hot[seq] = s
+        if s.phase is not SessionPhase.EVICTED:
+            s.tokens = []  # new or dropped: nothing of it is in the cache
+            s.phase = SessionPhase.HOT
+        return True
+
+    def _release_seq(self, s: Session) -> None:
+        seq = s.seq
+        assert seq is not None
+        self.memory.seq_rm(seq, -1, -1)
+        del self.hot[seq]
+        s.seq = None
+        self._free.append(seq)
+
+    def evict(self, s: Session, pinned: bool = False) -> None:
+        """Move a hot session's KV to host RAM (or drop it past the budget); free its sequence."""
+        data = self.memory.save(s.seq) if s.tokens else None  # type: ignore[arg-type]
+        self._release_seq(s)
+        if data is None:
+            self._lose(s)
+            return
+        for old in self.evicted.put(s, data, pinned=pinned):
+            self._lose(old)
+        if s.saved is data:
+            s.phase = SessionPhase.EVICTED
+            self.counters["preemptions" if pinned else "evictions"] += 1
+
+    def _lose(self, s: Session) -> None:
+        """The session's cache is gone; the next request rebuilds it from its history."""
+        s.tokens = []
+        if s.phase is not SessionPhase.CLOSED:
+            s.phase = SessionPhase.DROPPED
+        self.counters["drops"] += 1
+
+    def preempt(self, s: Session) -> None:
+        """Save a running session's KV to RAM (kept whatever the budget) and free its cells."""
+        self.evict(s, pinned=True)
+
+    # -- admission --
+    def restore(self, s: Session, protect: Iterable[Session] = ()) -> int:
+        """Bring an evicted session's KV back into its (acquired) sequence; the tokens restored.
+
+        Room is made first (llama.cpp needs a free cell per restored token); a restore that
+        fails anyway leaves nothing half-written behind and the session is rebuilt instead.
+        """
+        data = self.evicted.take(s)
+        if data is None:
+            return 0
+        assert s.seq is not None
+        if self.pooled:
+            self.make_room(len(s.tokens), [s, *protect])
+        if self.memory.restore(s.seq, data):
+            s.phase = SessionPhase.HOT
+            self.counters["restores"] += 1
+            return len(s.tokens)
+        self.counters["restore_failures"] += 1
+        log.warning("restoring session %s (%d tokens) failed; rebuilding it", s.id, len(s.tokens))
+        self.memory.seq_rm(s.seq, -1, -1)
+        self._lose(s)
+        s.phase = SessionPhase.HOT
+        return 0
+
+    def _window_intact(self, seq: int, n: int) -> bool:
+        """Whether the sliding-window cells that continuing at position ``n`` needs are all there."""
+        w = self.memory.n_swa
+        if w == 0 or n == 0:
+            return True
+        return self.memory.window_cells(seq) >= min(n, w)
+
+    def cut(self, s: Session, keep: int) -> int:
+        """Keep the first ``keep`` cached tokens of a hot session; the count really kept (0: rebuilt)."""
+        assert s.seq is not None
+        if keep >= len(s.tokens):
+            return len(s.tokens)
+        ok = (keep > 0 and self.memory.partial_ok) and self.memory.seq_rm(s.seq, keep, -1)
+        if ok and not self._window_intact(s.seq, keep):
+            self.counters["window_resets"] += 1
+            ok = False
+        if not ok:
+            self.memory.seq_rm(s.seq, -1, -1)
+            keep = 0
+        del s.tokens[keep:]
+        return keep
+
+    def copy_prefix(self, s: Session, prompt: Sequence[int], limit: int) -> int:
+        """Copy the longest cached prefix of ``prompt`` (at most ``limit`` tokens) from another hot
+        session of the same owner into ``s`` (empty); the tokens copied."""
+        assert s.seq is not None and not s.tokens
+        best: Session | None = None
+        best_n = 0
+        for other in self.hot.values():
+            if other is s or other.owner != s.owner:
+                continue
+            n = min(common_prefix(other.tokens, prompt), limit)
+            if n > best_n and (self.memory.partial_ok or n == len(other.tokens)):
+                best, best_n = other, n
+        if best is None or best_n < self.shared_prefix_min_tokens:
+            return 0
+        assert best.seq is not None
+        self.memory.seq_cp(best.seq, s.seq, 0, best_n)
+        if not self._window_intact(s.seq, best_n):
+            self.counters["window_resets"] += 1
+            self.memory.seq_rm(s.seq, -1, -1)
+            return 0
+        s.tokens = list(prompt[:best_n])
+        return best_n
+
+    def discard_saved(self, s: Session) -> None:
+        """Throw away a session's KV kept in RAM (its pre-empted request was cancelled)."""
+        if self.evicted.take(s) is not None:
+            self._lose(s)
+
+    # -- ending --
+    def clear(self, s: Session) -> None:
+        """Empty a session's cache wherever it is; it keeps its sequence if it had one."""
+        self.evicted.take(s)
+        if s.seq is not None:
+            self.memory.seq_rm(s.seq, -1, -1)
+        s.tokens = []
+        s.phase = SessionPhase.HOT if s.seq is not None else SessionPhase.NEW
+
+    def forget(self, s: Session) -> None:
+        """Free everything a session holds; it is closed."""
+        self.evicted.take(s)
+        if s.seq is not None:
+            self._release_seq(s)
+        s.tokens = []
+        s.phase = SessionPhase.CLOSED
+        s.last_used = time.monotonic()
