@@ -2,8 +2,11 @@
 """Generate the Python gRPC stubs from protos/ (the one place they come from).
 
 The stubs live in the ``hotloop`` package shipped by ``clients/python`` so that the SDK,
-the server and Ray's gRPC proxy all import the same modules. ``--check`` regenerates into a
-temporary folder and fails when the checked-in stubs differ (CI runs it).
+the server and Ray's gRPC proxy all import the same modules: ``*_pb2.py`` and
+``*_pb2_grpc.py`` from grpcio-tools, and their typed ``.pyi`` stubs from mypy-protobuf
+(``protoc-gen-mypy``, ``protoc-gen-mypy_grpc``), which mypy checks the server and the SDK
+against. ``--check`` regenerates into a temporary folder and fails when the checked-in stubs
+differ (CI runs it).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from pathlib import Path
 from grpc_tools import protoc
 
 ROOT = Path(__file__).resolve().parent.parent
+BIN = Path(sys.executable).parent  # mypy-protobuf's protoc plugins, installed next to python
 PROTOS = ROOT / "protos"
 OUT = ROOT / "clients" / "python"
 PACKAGE = "hotloop/v1"
@@ -31,8 +35,11 @@ def generate(out: Path) -> list[Path]:
         "protoc",
         f"-I{PROTOS}",
         f"--python_out={out}",
-        f"--pyi_out={out}",
         f"--grpc_python_out={out}",
+        f"--plugin=protoc-gen-mypy={BIN / 'protoc-gen-mypy'}",
+        f"--mypy_out={out}",
+        f"--plugin=protoc-gen-mypy_grpc={BIN / 'protoc-gen-mypy_grpc'}",
+        f"--mypy_grpc_out={out}",
         *protos,
     ]
     if protoc.main(args) != 0:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 from hotloop.v1 import common_pb2 as pb
 from hotloop.v1 import session_pb2 as spb
@@ -40,15 +41,18 @@ def messages_from_proto(messages: Sequence[pb.Message], max_messages: int) -> li
 
 
 def settings_from_proto(msg: pb.Settings, base: SamplingSettings) -> SamplingSettings:
-    """Layer the fields present in ``msg`` over ``base`` (validation happens in SamplingSettings)."""
-    given = {f: getattr(msg, f) for f in _SETTING_FIELDS if msg.HasField(f)}
-    if msg.stop:
-        given["stop"] = tuple(msg.stop)
+    """Layer the fields present in ``msg`` over ``base`` (validation happens in SamplingSettings).
+
+    Present means what protobuf lists: an ``optional`` field that was set, a non-empty ``stop``.
+    """
+    given: dict[str, Any] = {field.name: value for field, value in msg.ListFields()}
+    if "stop" in given:
+        given["stop"] = tuple(given["stop"])
     return base.merged(**given) if given else base
 
 
 def has_settings(msg: pb.Settings) -> bool:
-    return bool(msg.stop) or any(msg.HasField(f) for f in _SETTING_FIELDS)
+    return bool(msg.ListFields())
 
 
 def settings_to_proto(s: SamplingSettings) -> pb.Settings:

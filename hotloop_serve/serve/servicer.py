@@ -103,7 +103,7 @@ class ModelServicer:
     def _principal(self, grpc_context: Any) -> str:
         return self.auth.principal(_metadata(grpc_context))
 
-    def _check_size(self, request: Any) -> None:
+    def _check_size(self, request: Message) -> None:
         size = request.ByteSize()
         if size > self.model.limits.max_request_bytes:
             raise ResourceExhausted(

@@ -218,12 +218,12 @@ def as_messages(history: Iterable[MessageLike]) -> list[Message]:
     return messages
 
 
-def messages_to_proto(history: Iterable[MessageLike]) -> list[Any]:
+def messages_to_proto(history: Iterable[MessageLike]) -> list[common_pb2.Message]:
     """``Message``s (or pairs) as ``hotloop.v1.Message`` protos."""
     return [common_pb2.Message(role=_ROLE_TO_PROTO[m.role], content=m.content) for m in as_messages(history)]
 
 
-def settings_to_proto(settings: Settings) -> Any:
+def settings_to_proto(settings: Settings) -> common_pb2.Settings:
     """``Settings`` as ``hotloop.v1.Settings``: unset fields stay absent on the wire."""
     pb = common_pb2.Settings()
     for name in _OPTIONAL_SETTINGS:
@@ -235,23 +235,22 @@ def settings_to_proto(settings: Settings) -> Any:
     return pb
 
 
-def settings_from_proto(pb: Any) -> Settings:
+def settings_from_proto(pb: common_pb2.Settings) -> Settings:
     """``hotloop.v1.Settings`` as ``Settings``.
 
     Float fields are float32 on the wire; they are rounded to float32's precision so that
     ``Settings(temperature=0.7)`` survives a round trip equal to itself.
     """
     values: dict[str, Any] = {}
-    for name in _OPTIONAL_SETTINGS:
-        if pb.HasField(name):
-            value = getattr(pb, name)
-            values[name] = float(f"{value:.7g}") if name in _FLOAT32_SETTINGS else value
-    if pb.stop:
-        values["stop"] = tuple(pb.stop)
+    for field, value in pb.ListFields():  # the fields present: set optionals, a non-empty stop
+        if field.name in _FLOAT32_SETTINGS:
+            values[field.name] = float(f"{value:.7g}")
+        else:
+            values[field.name] = tuple(value) if field.name == "stop" else value
     return Settings(**values)
 
 
-def usage_from_proto(pb: Any) -> Usage:
+def usage_from_proto(pb: common_pb2.Usage) -> Usage:
     return Usage(
         prompt_tokens=pb.prompt_tokens,
         cached_tokens=pb.cached_tokens,
@@ -261,7 +260,7 @@ def usage_from_proto(pb: Any) -> Usage:
     )
 
 
-def timings_from_proto(pb: Any) -> Timings:
+def timings_from_proto(pb: common_pb2.Timings) -> Timings:
     return Timings(
         queue_ms=pb.queue_ms,
         prefill_ms=pb.prefill_ms,
@@ -270,11 +269,11 @@ def timings_from_proto(pb: Any) -> Timings:
     )
 
 
-def served_by_from_proto(pb: Any) -> ServedBy:
+def served_by_from_proto(pb: common_pb2.ServedBy) -> ServedBy:
     return ServedBy(replica=pb.replica, replica_rank=pb.replica_rank, cache_hit=pb.cache_hit)
 
 
-def chunk_from_proto(pb: Any) -> Chunk:
+def chunk_from_proto(pb: session_pb2.GenerateChunk) -> Chunk:
     """``GenerateChunk`` as ``Chunk``; the last-chunk fields are ``None`` when absent."""
     return Chunk(
         text=pb.text,
@@ -285,7 +284,7 @@ def chunk_from_proto(pb: Any) -> Chunk:
     )
 
 
-def model_info_from_proto(pb: Any) -> ModelInfo:
+def model_info_from_proto(pb: model_pb2.ModelInfo) -> ModelInfo:
     return ModelInfo(
         name=pb.name,
         architecture=pb.architecture,
@@ -301,7 +300,7 @@ def model_info_from_proto(pb: Any) -> ModelInfo:
     )
 
 
-def session_info_from_proto(pb: Any) -> SessionInfo:
+def session_info_from_proto(pb: session_pb2.Session) -> SessionInfo:
     return SessionInfo(
         id=pb.id,
         model=pb.model,
@@ -388,7 +387,7 @@ class SessionState:
     settings: Settings
     closed: bool = False
 
-    def apply(self, pb: Any, sent: Settings) -> None:
+    def apply(self, pb: session_pb2.Session, sent: Settings) -> None:
         """Adopt the settings the server reports (every field filled in), else what we sent."""
         if pb.HasField("settings"):
             reported = settings_from_proto(pb.settings)
@@ -401,7 +400,7 @@ class SessionState:
         """The session's settings with per-turn keyword overrides (unknown names: TypeError)."""
         return self.settings.merged(Settings(**overrides)) if overrides else self.settings
 
-    def generate_request(self, history: HistoryLike, overrides: dict[str, Any]) -> Any:
+    def generate_request(self, history: HistoryLike, overrides: dict[str, Any]) -> session_pb2.GenerateRequest:
         messages = messages_to_proto(history)
         if not messages:
             raise ValueError("history is empty: send at least one message")
@@ -409,7 +408,7 @@ class SessionState:
             session_id=self.id, messages=messages, settings=settings_to_proto(self.turn_settings(overrides))
         )
 
-    def warmup_request(self, history: HistoryLike) -> Any:
+    def warmup_request(self, history: HistoryLike) -> session_pb2.WarmupRequest:
         return session_pb2.WarmupRequest(
             session_id=self.id, messages=messages_to_proto(history), settings=settings_to_proto(self.settings)
         )
@@ -419,17 +418,17 @@ class SessionState:
         return f"{self.id} model={self.model!r}{' closed' if self.closed else ''}"
 
 
-def create_session_request(model: str, settings: Settings, key: str) -> Any:
+def create_session_request(model: str, settings: Settings, key: str) -> session_pb2.CreateSessionRequest:
     return session_pb2.CreateSessionRequest(model=model, settings=settings_to_proto(settings), session_key=key)
 
 
-def list_models_request() -> Any:
+def list_models_request() -> model_pb2.ListModelsRequest:
     return model_pb2.ListModelsRequest()
 
 
-def get_model_request(model: str) -> Any:
+def get_model_request(model: str) -> model_pb2.GetModelRequest:
     return model_pb2.GetModelRequest(model=model)
 
 
-def tokenize_request(model: str, text: str, add_special: bool) -> Any:
+def tokenize_request(model: str, text: str, add_special: bool) -> model_pb2.TokenizeRequest:
     return model_pb2.TokenizeRequest(model=model, text=text, add_special=add_special)
