@@ -1,0 +1,188 @@
+"""``SessionAffinityRouter.choose_replicas`` with fake replicas, as Ray's own router tests do:
+no cluster, the router built directly, requests shaped like the gRPC proxy's and a handle's."""
+
+from __future__ import annotations
+
+import asyncio
+import pickle
+import random
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+from hotloop.v1 import model_pb2, session_pb2
+from ray.serve._private.common import (
+    DeploymentHandleSource,
+    DeploymentID,
+    ReplicaID,
+    RequestMetadata,
+    gRPCRequest,
+)
+from ray.serve.request_router import PendingRequest
+
+from hotloop_serve.serve.router import SessionAffinityRouter
+from hotloop_serve.serve.session_ids import SessionIds
+
+DEPLOYMENT = DeploymentID(name="ModelDeployment", app_name="gemma-3-270m")
+IDS = SessionIds(b"secret", "gemma-3-270m")
+
+
+@dataclass
+class FakeReplica:
+    """What the router reads of a ``RunningReplica``: its id and the metadata it published."""
+
+    unique_id: str
+    rank: int | None
+    replica_id: ReplicaID = field(init=False)
+    replica_metadata: dict[str, Any] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.replica_id = ReplicaID(unique_id=self.unique_id, deployment_id=DEPLOYMENT)
+        self.replica_metadata = {} if self.rank is None else {"rank": self.rank}
+
+
+def replicas(n: int, prefix: str = "r") -> list[FakeReplica]:
+    return [FakeReplica(f"{prefix}{i}", i) for i in range(n)]
+
+
+def pending(request: Any, *, from_proxy: bool = True) -> PendingRequest:
+    """A request as the router sees it: from the gRPC proxy a pickled ``gRPCRequest``; from a
+    deployment handle (CreateSessionFor) the proto itself."""
+    arg = pickle.dumps(gRPCRequest(user_request_proto=request)) if from_proxy else request
+    return PendingRequest(args=[arg], kwargs={}, metadata=RequestMetadata(request_id="r", internal_request_id="i"))
+
+
+def choose(
+    router: SessionAffinityRouter, candidates: Sequence[FakeReplica], request: PendingRequest | None
+) -> list[list[str]]:
+    """The tiers, as replica ids (run on the test's event loop)."""
+    loop = asyncio.get_event_loop()
+    tiers = loop.run_until_complete(router.choose_replicas(list(candidates), request))  # type: ignore[arg-type]
+    return [[r.unique_id for r in tier] for tier in tiers]
+
+
+@pytest.fixture
+def loop() -> Iterator[asyncio.AbstractEventLoop]:
+    """Ray's router and PendingRequest (a future) want a current event loop; none may leak."""
+    loop = asyncio.new_event_loop()
+    asyncio.set_event_loop(loop)
+    yield loop
+    pending_tasks = asyncio.all_tasks(loop)
+    loop.close()
+    asyncio.set_event_loop(None)
+    assert not pending_tasks, pending_tasks
+
+
+@pytest.fixture
+def router(loop: asyncio.AbstractEventLoop) -> SessionAffinityRouter:
+    return SessionAffinityRouter(DEPLOYMENT, DeploymentHandleSource.PROXY)
+
+
+def test_every_rpc_of_a_session_ranks_the_same_owner_first(router: SessionAffinityRouter) -> None:
+    pool = replicas(4)
+    for key in ("key-00000001", "key-00000002", "another-key", "k" * 64):
+        sid = IDS.new("alice", key)
+        requests = [
+            pending(session_pb2.CreateSessionRequest(model="m", session_key=key)),
+            pending(session_pb2.CreateSessionRequest(model="m", session_key=key), from_proxy=False),
+            pending(session_pb2.GenerateRequest(session_id=sid)),
+            pending(session_pb2.WarmupRequest(session_id=sid)),
+            pending(session_pb2.GetSessionRequest(session_id=sid)),
+            pending(session_pb2.UpdateSettingsRequest(session_id=sid)),
+            pending(session_pb2.ClearCacheRequest(session_id=sid)),
+            pending(session_pb2.CloseSessionRequest(session_id=sid)),
+        ]
+        rankings = [choose(router, pool, r) for r in requests]
+        assert all(r == rankings[0] for r in rankings), key
+        # One replica per tier, each once: the owner, then the deterministic fallbacks.
+        assert all(len(tier) == 1 for tier in rankings[0])
+        assert sorted(tier[0] for tier in rankings[0]) == sorted(r.unique_id for r in pool)
+
+
+def test_the_ranking_ignores_candidate_order_and_router_instance(router: SessionAffinityRouter) -> None:
+    pool = replicas(5)
+    request = pending(session_pb2.GetSessionRequest(session_id=IDS.new("bob", "order-test-key")))
+    expected = choose(router, pool, request)
+    other = SessionAffinityRouter(DEPLOYMENT, DeploymentHandleSource.REPLICA)  # e.g. another proxy
+    rng = random.Random(7)
+    for _ in range(10):
+        shuffled = pool[:]
+        rng.shuffle(shuffled)
+        assert choose(router, shuffled, request) == expected
+        assert choose(other, shuffled, request) == expected
+
+
+def test_sessions_spread_over_the_replicas(router: SessionAffinityRouter) -> None:
+    pool = replicas(3)
+    owners = [
+        choose(router, pool, pending(session_pb2.GetSessionRequest(session_id=IDS.new("a", f"spread-{i:04d}"))))[0][0]
+        for i in range(300)
+    ]
+    counts = {r.unique_id: owners.count(r.unique_id) for r in pool}
+    assert all(60 <= c <= 140 for c in counts.values()), counts
+
+
+@pytest.mark.parametrize(
+    "request_",
+    [
+        model_pb2.ListModelsRequest(),
+        model_pb2.GetModelRequest(model="m"),
+        model_pb2.TokenizeRequest(model="m", text="hi"),
+        session_pb2.CreateSessionRequest(model="m"),  # a stock client's: no key yet
+        session_pb2.GetSessionRequest(),
+    ],
+)
+def test_requests_without_a_key_go_to_one_tier_of_all(router: SessionAffinityRouter, request_: Any) -> None:
+    pool = replicas(3)
+    assert choose(router, pool, pending(request_)) == [["r0", "r1", "r2"]]
+
+
+def test_no_request_garbage_or_one_replica_is_one_tier(router: SessionAffinityRouter) -> None:
+    pool = replicas(3)
+    assert choose(router, pool, None) == [["r0", "r1", "r2"]]
+    garbage = PendingRequest(args=[b"not a pickle"], kwargs={}, metadata=RequestMetadata("r", "i"))
+    assert choose(router, pool, garbage) == [["r0", "r1", "r2"]]
+    request = pending(session_pb2.GetSessionRequest(session_id=IDS.new("a", "single-key")))
+    assert choose(router, pool[:1], request) == [["r0"]]
+
+
+def test_a_replacement_replica_inherits_its_ranks_sessions(router: SessionAffinityRouter) -> None:
+    # Ray gives the replacement of a dead replica the dead one's rank: its sessions come back
+    # to it, and no other session moves.
+    pool = replicas(3)
+    requests = [pending(session_pb2.GetSessionRequest(session_id=IDS.new("a", f"replace-{i:03d}"))) for i in range(60)]
+    before = [choose(router, pool, r)[0][0] for r in requests]
+    replaced = [pool[0], FakeReplica("new-replica", 1), pool[2]]
+    after = [choose(router, replaced, r)[0][0] for r in requests]
+    assert [o.replace("new-replica", "r1") for o in after] == before
+
+
+def test_removing_a_replica_moves_only_its_sessions(router: SessionAffinityRouter) -> None:
+    pool = replicas(4)
+    requests = [pending(session_pb2.GetSessionRequest(session_id=IDS.new("a", f"remove-{i:03d}"))) for i in range(80)]
+    before = [choose(router, pool, r) for r in requests]
+    after = [choose(router, pool[:3], r)[0][0] for r in requests]
+    moved = 0
+    for ranking, owner in zip(before, after, strict=True):
+        if ranking[0][0] != "r3":
+            assert owner == ranking[0][0]
+        else:  # its sessions go to their second choice: the replica Ray already fell back to
+            assert owner == ranking[1][0]
+            moved += 1
+    assert 0 < moved < len(requests) / 2
+
+
+def test_a_replica_without_a_published_rank_hashes_on_its_id(router: SessionAffinityRouter) -> None:
+    pool = [FakeReplica("a", None), FakeReplica("b", None)]
+    request = pending(session_pb2.GetSessionRequest(session_id=IDS.new("a", "unranked-key")))
+    ranking = choose(router, pool, request)
+    assert sorted(t[0] for t in ranking) == ["a", "b"]
+    assert choose(router, pool[::-1], request) == ranking
+
+
+def test_no_tasks_are_left_behind(router: SessionAffinityRouter, loop: asyncio.AbstractEventLoop) -> None:
+    pool = replicas(3)
+    for i in range(20):
+        choose(router, pool, pending(session_pb2.GetSessionRequest(session_id=f"k{i:07d}.s")))
+    assert asyncio.all_tasks(loop) == set()
