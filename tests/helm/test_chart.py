@@ -6,6 +6,7 @@
 - every built-in object (and the pod templates and serve Service inside the RayService) with
   kubernetes-validate in strict mode for Kubernetes 1.33;
 - GRPCRoute / Gateway against a hand-written subset of the Gateway API v1 schemas;
+- PodMonitor against a hand-written subset of the Prometheus Operator v0.91.0 PodMonitor CRD schema;
 - the serveConfigV2 contract: each application's ``args.config`` loads with
   ``hotloop_serve.config.config_from_dict`` and ``args.model`` names one of its models;
 - bad values fail lint with a message naming the value.
@@ -39,6 +40,7 @@ CHART = ROOT / "helm" / "hotloop-serve"
 HERE = Path(__file__).resolve().parent
 RAYSERVICE_CRD = HERE / "crds" / "ray.io_rayservices.v1.7.0.yaml"
 GATEWAY_SCHEMAS = HERE / "schemas" / "gateway-api-v1-subset.json"
+PODMONITOR_SCHEMA = HERE / "schemas" / "prometheus-operator-v1-podmonitor-subset.json"
 KUBE_VERSION = "1.33.0"
 API_VERSIONS = ("ray.io/v1", "gateway.networking.k8s.io/v1")
 RELEASE = "hl"
@@ -186,6 +188,11 @@ def gateway_validators() -> dict[str, jsonschema.Draft202012Validator]:
     return {kind: jsonschema.Draft202012Validator(schemas[kind]) for kind in ("GRPCRoute", "Gateway")}
 
 
+@functools.cache
+def podmonitor_validator() -> jsonschema.Draft202012Validator:
+    return jsonschema.Draft202012Validator(json.loads(PODMONITOR_SCHEMA.read_text())["PodMonitor"])
+
+
 def errors_of(validator: jsonschema.protocols.Validator, doc: dict[str, Any]) -> list[str]:
     return [f"{'/'.join(map(str, e.absolute_path))}: {e.message}" for e in validator.iter_errors(doc)]
 
@@ -236,7 +243,7 @@ def test_builtin_objects_validate_strictly(case: str) -> None:
     docs = render(case)
     checked = 0
     for doc in docs:
-        if doc["apiVersion"].startswith(("ray.io/", "gateway.networking.k8s.io/")):
+        if doc["apiVersion"].startswith(("ray.io/", "gateway.networking.k8s.io/", "monitoring.coreos.com/")):
             continue
         kube_validate(doc)
         checked += 1
@@ -256,6 +263,94 @@ def test_gateway_api_objects_validate(case: str) -> None:
         if doc["apiVersion"].startswith("gateway.networking.k8s.io/"):
             errors = errors_of(validators[doc["kind"]], doc)
             assert not errors, "\n".join(errors)
+
+
+@needs_helm
+@pytest.mark.parametrize("case", CASES)
+def test_podmonitor_matches_the_prometheus_operator_crd(case: str) -> None:
+    for doc in docs_of(render(case), "PodMonitor"):
+        errors = errors_of(podmonitor_validator(), doc)
+        assert not errors, "\n".join(errors)
+
+
+def test_podmonitor_schema_rejects_what_the_crd_rejects() -> None:
+    """The subset is not vacuous: fields, enums and patterns of the CRD bite."""
+    base = {
+        "apiVersion": "monitoring.coreos.com/v1",
+        "kind": "PodMonitor",
+        "metadata": {"name": "m"},
+        "spec": {"selector": {"matchLabels": {"a": "b"}}, "podMetricsEndpoints": [{"port": "metrics"}]},
+    }
+    assert not errors_of(podmonitor_validator(), base)
+    bad_endpoints: list[dict[str, Any]] = [
+        {"port": "metrics", "interval": "30 seconds"},
+        {"port": "metrics", "scheme": "ftp"},
+        {"port": "metrics", "portNumber": 70000},
+        {"port": "metrics", "relabelings": [{"action": "rewrite"}]},
+        {"port": "metrics", "targetPortz": 1},
+    ]
+    for endpoint in bad_endpoints:
+        doc = copy.deepcopy(base)
+        doc["spec"]["podMetricsEndpoints"] = [endpoint]
+        assert errors_of(podmonitor_validator(), doc), endpoint
+    no_selector = copy.deepcopy(base)
+    del no_selector["spec"]["selector"]
+    assert errors_of(podmonitor_validator(), no_selector)
+
+
+@needs_helm
+def test_prometheus_scraping_reaches_every_replica_pod() -> None:
+    case = "monitoring-values.yaml"
+    values = yaml.safe_load((CHART / "ci" / case).read_text())
+    port = values["metrics"]["prometheus"]["port"]
+    docs = render(case)
+    (monitor,) = docs_of(docs, "PodMonitor")
+    assert monitor["metadata"]["namespace"] == "monitoring"
+    assert monitor["metadata"]["labels"]["release"] == "kube-prometheus-stack"
+    assert monitor["spec"]["namespaceSelector"] == {"matchNames": ["default"]}  # the release's namespace
+    (endpoint,) = monitor["spec"]["podMetricsEndpoints"]
+    assert endpoint["port"] == "hotloop-metrics" and endpoint["path"] == "/metrics"
+    assert endpoint["interval"] == "15s"
+    selector = monitor["spec"]["selector"]["matchLabels"]
+    rs = rayservice(case)
+    scraped = 0
+    for name, group, tmpl in pod_templates(rs):
+        labels = tmpl["metadata"]["labels"]
+        assert all(labels.get(k) == v for k, v in selector.items()), name
+        (container,) = tmpl["spec"]["containers"]
+        ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+        env = env_of(container)
+        # Only pods running replicas declare the port, so only they become targets.
+        assert ("hotloop-metrics" in ports) == runs_replicas(name, group), name
+        if runs_replicas(name, group):
+            scraped += 1
+            assert ports["hotloop-metrics"] == port
+            assert env["OTEL_METRICS_EXPORTER"]["value"] == "prometheus"
+            assert env["OTEL_EXPORTER_PROMETHEUS_PORT"]["value"] == str(port)
+        assert env["OTEL_EXPORTER_OTLP_ENDPOINT"]["value"].startswith("http://otel-collector")  # traces
+    assert scraped == 2  # the head (runReplicas) and the cpu workers
+    config = config_from_dict(serve_config(case)["applications"][0]["args"]["config"])
+    assert config.telemetry.request_log == "json"
+
+
+@needs_helm
+def test_default_has_no_scraping_and_no_dashboard() -> None:
+    docs = render("default")
+    assert not docs_of(docs, "PodMonitor") and not docs_of(docs, "ConfigMap")
+    for _, _, tmpl in pod_templates(rayservice("default")):
+        (container,) = tmpl["spec"]["containers"]
+        assert "hotloop-metrics" not in {p["name"] for p in container["ports"]}
+        assert "OTEL_METRICS_EXPORTER" not in env_of(container)
+
+
+@needs_helm
+def test_grafana_dashboard_configmap_for_the_sidecar() -> None:
+    (cm,) = docs_of(render("monitoring-values.yaml"), "ConfigMap")
+    assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert cm["metadata"]["annotations"] == {"grafana_folder": "LLM"}
+    shipped = (CHART / "files" / "grafana-dashboard.json").read_text()
+    assert cm["data"]["hotloop-serve.json"] == shipped.rstrip("\n")
+    assert json.loads(cm["data"]["hotloop-serve.json"])["uid"] == "hotloop-serve"
 
 
 def test_values_schema_is_closed_at_every_level() -> None:
@@ -635,6 +730,13 @@ SCHEMA_ERRORS: list[tuple[str, dict[str, Any], list[str]]] = [
         ["/modelSource/url/files/0/sha256"],
     ),
     ("ingress without host", {"ingress": {"enabled": True}}, ["/ingress"]),
+    ("bad scrape interval", {"metrics": {"podMonitor": {"interval": "30 seconds"}}}, ["/metrics/podMonitor/interval"]),
+    (
+        "bad relabel action",
+        {"metrics": {"podMonitor": {"relabelings": [{"action": "rewrite"}]}}},
+        ["/metrics/podMonitor/relabelings/0/action"],
+    ),
+    ("bad request log format", {"hotloop": {"telemetry": {"request_log": "xml"}}}, ["/hotloop/telemetry/request_log"]),
 ]
 
 # Cross-field checks the schema cannot express, made by the templates (`fail`): helm template /
@@ -683,6 +785,11 @@ TEMPLATE_ERRORS: list[tuple[str, dict[str, Any], list[str]]] = [
         "gpu model without gpu workers",
         {"hotloop": {"models": [{**BASE_MODEL, "resources": {"num_gpus": 1}}]}},
         ["hotloop.models[0].resources", "num_gpus 1", "fits no pod"],
+    ),
+    (
+        "podMonitor without the exporter",
+        {"metrics": {"podMonitor": {"enabled": True}}},
+        ["metrics.podMonitor.enabled", "metrics.prometheus.enabled"],
     ),
     (
         "no pod runs replicas",

@@ -391,6 +391,12 @@ Container resources of a worker group: the group's own `resources`, or sized fro
 - name: OTEL_RESOURCE_ATTRIBUTES
   value: {{ join "," $attrs | quote }}
 {{- end }}
+{{- if .Values.metrics.prometheus.enabled }}
+- name: OTEL_METRICS_EXPORTER
+  value: prometheus
+- name: OTEL_EXPORTER_PROMETHEUS_PORT
+  value: {{ .Values.metrics.prometheus.port | quote }}
+{{- end }}
 {{- with .Values.env }}
 {{ toYaml . }}
 {{- end }}
@@ -523,6 +529,15 @@ Container resources of a worker group: the group's own `resources`, or sized fro
 - name: serve-grpc
   containerPort: {{ include "hotloop-serve.grpcPort" . }}
   protocol: TCP
+{{- end -}}
+
+{{/* The Prometheus endpoint of a pod that runs model replicas (metrics.prometheus), scraped by the PodMonitor. */}}
+{{- define "hotloop-serve.metricsPort" -}}
+{{- if .Values.metrics.prometheus.enabled -}}
+- name: hotloop-metrics
+  containerPort: {{ .Values.metrics.prometheus.port }}
+  protocol: TCP
+{{- end -}}
 {{- end -}}
 
 {{/* pod-level fields common to every Ray pod: .root, .spec (nodeSelector, tolerations) */}}
