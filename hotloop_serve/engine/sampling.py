@@ -13,30 +13,13 @@ sequence until it knows.
 from __future__ import annotations
 
 import codecs
-import ctypes
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import llama_cpp as ll
 
 from hotloop_serve.engine.settings import SamplingSettings
 
-
-def _penalties_binding() -> Callable[[int, float, float, float], ll.llama_sampler_p]:
-    """``llama_sampler_init_penalties`` with llama.h's real signature.
-
-    llama-cpp-python 0.3.36 declares an extra leading ``n_vocab`` argument the C function no
-    longer takes: through it, the vocabulary size lands in ``penalty_last_n`` and the window
-    silently covers every token. Bind the C symbol directly instead.
-    """
-    lib = ctypes.CDLL(ll.llama_cpp._lib._name)  # a handle of our own: llama_cpp's cached binding stays as it is
-    fn = lib.llama_sampler_init_penalties
-    fn.argtypes = [ctypes.c_int32, ctypes.c_float, ctypes.c_float, ctypes.c_float]
-    fn.restype = ll.llama_sampler_p_ctypes
-    return fn
-
-
-_init_penalties = _penalties_binding()
 _RANDOM_SEED_SENTINEL = 0xFFFFFFFF  # llama.cpp's LLAMA_DEFAULT_SEED: "draw a random seed"
 
 
@@ -79,7 +62,8 @@ class Sampler:
             k = prefilter_k(settings)
             if 0 < k < n_vocab:
                 add(chain, ll.llama_sampler_init_top_k(k))
-            add(chain, _init_penalties(settings.repeat_last_n, settings.repeat_penalty, 0.0, 0.0))
+            penalties = ll.llama_sampler_init_penalties(n_vocab, settings.repeat_last_n, settings.repeat_penalty, 0, 0)
+            add(chain, penalties)
         if settings.greedy:
             add(chain, ll.llama_sampler_init_greedy())
         else:

@@ -234,3 +234,131 @@ def test_stats_return_to_baseline_after_load(engine: Engine) -> None:
         base.free_sequences,
         base.evicted_bytes,
     )
+
+
+# ---------------------------------------------------------------------------------------------
+# Memory pressure, restore, warmup, TTL, failure (issue 13)
+
+
+def long_history(n: int, words: int) -> list[M]:
+    return [M("system", "You are a test."), M("user", f"Request {n}: " + " ".join(f"w{i}" for i in range(words)))]
+
+
+def test_kv_exhaustion_mid_decode_preempts_instead_of_failing(tiny_model: Path) -> None:
+    """More than the pool holds once replies grow: every request completes, none fails."""
+    opts = EngineOptions(context_tokens=1024, session_context_tokens=1024, hot_sessions=4, prefill_chunk=64)
+    settings = GREEDY.merged(sample_len=200)
+    with Engine(str(tiny_model), EngineOptions(context_tokens=4096, session_context_tokens=1024, hot_sessions=4)) as e:
+        expected = [e.generate(f"r{i}", "a", long_history(i, 30), settings).result() for i in range(4)]
+    with Engine(str(tiny_model), opts) as e:
+        streams = [e.generate(f"s{i}", "a", long_history(i, 30), settings) for i in range(4)]
+        got = [s.result() for s in streams]
+        stats = e.stats()
+    assert sum(r.usage.prompt_tokens + r.usage.completion_tokens for r in got) > 1024  # type: ignore[union-attr]
+    assert stats.preemptions > 0
+    assert [r.text for r in got] == [r.text for r in expected]  # resumed exactly where they were
+
+
+def test_restore_into_a_full_pool_makes_room_first(tiny_model: Path) -> None:
+    """An evicted session comes back while idle sessions fill the pool: it is restored, not recomputed."""
+    opts = EngineOptions(context_tokens=512, session_context_tokens=512, hot_sessions=4)
+    turn2 = [*long_history(0, 40), M("assistant", "ok"), M("user", "go on")]
+    with Engine(str(tiny_model), EngineOptions(context_tokens=4096, session_context_tokens=512)) as ref:
+        ref.generate("a", "p", long_history(0, 40), GREEDY).result()
+        settle(ref)
+        reference = ref.generate("a", "p", turn2, GREEDY).result()
+    with Engine(str(tiny_model), opts) as e:
+        e.generate("a", "p", long_history(0, 40), GREEDY).result()
+        settle(e)
+        e.generate("b", "p", long_history(1, 25), GREEDY).result()
+        settle(e)
+        e.generate("c", "p", long_history(2, 25), GREEDY).result()
+        settle(e)
+        e.generate("d", "p", long_history(3, 25), GREEDY).result()  # no room: "a" (LRU) goes to RAM
+        settle(e)
+        assert e.session_info("a", "p").state == "evicted"
+        assert e.stats().free_sequences > 0  # a sequence is free, the cells are not
+        restored = e.generate("a", "p", turn2, GREEDY).result()
+    assert restored.usage is not None and reference.usage is not None
+    assert restored.usage.restored_tokens == reference.usage.cached_tokens > 0
+    assert restored.text == reference.text
+
+
+def test_warmup_never_cuts_a_longer_conversation(engine: Engine) -> None:
+    system = [M("system", "Be brief.")]
+    engine.warmup("s", "a", system).result()
+    chat = [*system, M("user", "hello there"), M("assistant", "hi"), M("user", "more")]
+    engine.generate("s", "a", chat, GREEDY).result()
+    settle(engine)
+    held = engine.session_info("s", "a").context_tokens
+    again = engine.warmup("s", "a", system).result()
+    settle(engine)
+    assert engine.session_info("s", "a").context_tokens == held
+    assert again.usage is not None and again.usage.prefilled_tokens == 0
+
+
+def test_ttl_is_enforced_while_other_sessions_keep_the_engine_busy(tiny_model: Path) -> None:
+    opts = EngineOptions(context_tokens=4096, session_context_tokens=2048, hot_sessions=2, idle_ttl_s=0.3)
+    with Engine(str(tiny_model), opts) as e:
+        e.generate("idle", "a", history(), GREEDY).result()
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and e.known("idle"):
+            e.generate("busy", "a", history(1), GREEDY.merged(sample_len=200)).result()  # never idle
+        assert not e.known("idle")
+        assert e.known("busy")
+
+
+def test_penalty_prefilter_changes_nothing(tiny_model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from hotloop_serve.engine import sampling
+
+    cases = [
+        GREEDY.merged(repeat_penalty=1.5, repeat_last_n=16, sample_len=60),
+        SamplingSettings(temperature=0.9, seed=7, top_k=20, repeat_penalty=1.3, repeat_last_n=32, sample_len=60),
+    ]
+
+    def run() -> list[str]:
+        with Engine(str(tiny_model), EngineOptions(context_tokens=2048, session_context_tokens=1024)) as e:
+            return [e.generate(f"s{i}", "a", history(i), s).result().text for i, s in enumerate(cases)]
+
+    assert all(0 < sampling.prefilter_k(s) < 259 for s in cases)
+    with_prefilter = run()
+    monkeypatch.setattr(sampling, "prefilter_k", lambda s: 0)
+    assert run() == with_prefilter
+
+
+def test_calls_after_an_engine_failure_fail_fast(tiny_model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from hotloop_serve.engine import engine as engine_module
+    from hotloop_serve.errors import Unavailable
+
+    with Engine(str(tiny_model), EngineOptions(context_tokens=2048, session_context_tokens=1024)) as e:
+        e.create_session("s", "a")
+        monkeypatch.setattr(engine_module.ll, "llama_decode", lambda ctx, batch: -3)
+        with pytest.raises(Unavailable, match="failed"):
+            e.generate("s", "a", history(), GREEDY).result()
+        monkeypatch.undo()
+        assert not e.alive
+        t0 = time.monotonic()
+        for call in (lambda: e.clear_cache("s", "a"), lambda: e.generate("s", "a", history(), GREEDY)):
+            with pytest.raises(Unavailable):
+                call()
+        assert time.monotonic() - t0 < 1.0
+
+
+def test_seed_that_folds_to_llama_cpp_random_sentinel_is_still_reproducible(engine: Engine) -> None:
+    from hotloop_serve.engine.sampling import fold_seed
+
+    seed = 0xFFFFFFFF  # folds to 0xFFFFFFFF, llama.cpp's "random seed"
+    assert fold_seed(seed) != 0xFFFFFFFF
+    s = SamplingSettings(temperature=1.0, seed=seed, sample_len=30, top_k=0, top_p=1.0, min_p=0.0)
+    a = engine.generate("x", "a", history(), s).result().text
+    b = engine.generate("y", "a", history(), s).result().text
+    assert a == b
+
+
+def test_every_setting_is_bounded_before_anything_is_allocated(engine: Engine) -> None:
+    huge = 2**31 - 1
+    for field, message in (("repeat_last_n", "repeat_last_n must be <= 1024"), ("sample_len", "sample_len must be <="),
+                           ("top_k", "top_k must be <= 259")):  # fmt: skip
+        with pytest.raises(InvalidArgument, match=message):
+            engine.generate("s", "a", history(), GREEDY.merged(**{field: huge}))
+    assert engine.stats().active_requests == 0
