@@ -7,7 +7,7 @@ session's own cache can help): follow-up time to first token (median, p90), the 
 follow-up prompt tokens served from cache, aggregate tokens/s, and which replicas served.
 
 Run: ``.venv/bin/python bench/affinity.py [--sessions 16] [--turns 4] [--quick]``; writes
-``bench/results/affinity.{md,json}``. Reuses the workload and the server harness of peer.py.
+``bench/results/affinity.{md,json}``. Reuses the workload and the server harness (harness.py).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from peer import RESULTS, HotloopServer, SystemResult, run_system
+from harness import RESULTS, HotloopServer, SystemResult, run_system
 from workload import WorkloadSpec, build_workload, describe
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 import sys
 from pathlib import Path
 
@@ -11,6 +10,10 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 
 from tiny_gguf import write_tiny_gguf
+
+from hotloop_serve.serve.probe import free_port
+
+__all__ = ["free_port"]
 
 
 @pytest.fixture(scope="session")
@@ -23,9 +26,3 @@ def gemma_model() -> Path:
     from hotloop_serve.serve.model_source import embedded_model_path
 
     return embedded_model_path(progress=False)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])

@@ -92,7 +92,7 @@ def start(
     timeout: Annotated[float, typer.Option(help="seconds to wait for readiness")] = 600,
 ) -> None:
     """Start in the background and return once every model serves."""
-    from hotloop_serve.serve.runner import wait_until_serving
+    from hotloop_serve.serve.probe import wait_until_serving
 
     cfg = _load(config, port)
     state = _state_dir()

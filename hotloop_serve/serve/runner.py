@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import time
-
-import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-
 from hotloop_serve.config import Config
 from hotloop_serve.serve.app import GRPC_SERVICER_FUNCTIONS, deploy
+from hotloop_serve.serve.probe import wait_until_serving
+
+__all__ = ["start_server", "stop_server", "wait_until_serving"]
 
 
 def start_server(config: Config, address: str | None = None, num_cpus: int | None = None) -> None:
@@ -47,22 +45,3 @@ def stop_server() -> None:
             serve.shutdown()
         finally:
             ray.shutdown()
-
-
-def wait_until_serving(address: str, models: list[str], timeout_s: float = 300.0) -> None:
-    """Block until every model's health check answers SERVING through the proxy."""
-    deadline = time.monotonic() + timeout_s
-    pending = list(models)
-    with grpc.insecure_channel(address) as channel:
-        stub = health_pb2_grpc.HealthStub(channel)
-        while pending:
-            try:
-                reply = stub.Check(health_pb2.HealthCheckRequest(), metadata=[("application", pending[0])], timeout=5)
-                if reply.status == health_pb2.HealthCheckResponse.SERVING:
-                    pending.pop(0)
-                    continue
-            except grpc.RpcError:
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"models not serving after {timeout_s:.0f} s: {pending}")
-            time.sleep(0.5)
