@@ -33,6 +33,7 @@ class Receiver(trace_service_pb2_grpc.TraceServiceServicer, metrics_service_pb2_
     def __init__(self) -> None:
         self.spans: list[Any] = []
         self.metrics: set[str] = set()
+        self.points: dict[str, list[dict[str, Any]]] = {}  # metric -> data points' attributes
         self.lock = threading.Lock()
 
     def Export(self, request: Any, context: Any) -> Any:
@@ -44,8 +45,23 @@ class Receiver(trace_service_pb2_grpc.TraceServiceServicer, metrics_service_pb2_
                 return trace_service_pb2.ExportTraceServiceResponse()
             for rm in request.resource_metrics:
                 for sm in rm.scope_metrics:
-                    self.metrics.update(m.name for m in sm.metrics)
+                    for m in sm.metrics:
+                        self.metrics.add(m.name)
+                        data = getattr(m, m.WhichOneof("data"))
+                        self.points.setdefault(m.name, []).extend(attributes(p) for p in data.data_points)
             return metrics_service_pb2.ExportMetricsServiceResponse()
+
+
+def value(v: Any) -> Any:
+    """An OTLP AnyValue as Python."""
+    kind = v.WhichOneof("value")
+    if kind == "array_value":
+        return [value(x) for x in v.array_value.values]
+    return getattr(v, kind) if kind else None
+
+
+def attributes(item: Any) -> dict[str, Any]:
+    return {a.key: value(a.value) for a in item.attributes}
 
 
 @pytest.fixture
@@ -86,26 +102,60 @@ def test_spans_and_metrics_of_a_real_chat_reach_an_otlp_receiver(server: Server,
         tracer = TracerProvider().get_tracer("test")
         with Client(server.address) as client, tracer.start_as_current_span("user-turn") as parent:
             session = client.model(OTEL_APP).new_session(settings=Settings(temperature=0, sample_len=8))
-            final = list(session.generate([Message(Role.USER, "Hello!")]))[-1]
+            history = [Message(Role.USER, "Hello!")]
+            first = list(session.generate(history))
+            history += [Message(Role.ASSISTANT, "".join(c.text for c in first)), Message(Role.USER, "And then?")]
+            second = list(session.generate(history))  # reuses the first turn's KV cache
+            session_id = session.id
         trace_id = parent.get_span_context().trace_id
         deadline = time.monotonic() + 60
-        wanted = {"hotloop.time_to_first_token", "hotloop.tokens.generated", "hotloop.sessions.hot"}
+        wanted = {
+            "gen_ai.server.time_to_first_token",
+            "gen_ai.server.time_per_output_token",
+            "gen_ai.server.request.duration",
+            "hotloop.tokens.generated",
+            "hotloop.sessions.hot",
+        }
         while time.monotonic() < deadline:
             with receiver.lock:
                 mine = [s for s in receiver.spans if int.from_bytes(s.trace_id, "big") == trace_id]
-                if {"hotloop.v1.SessionService/Generate", "hotloop.decode"} <= {s.name for s in mine} and (
-                    wanted <= receiver.metrics
-                ):
+                names = [s.name for s in mine]
+                if names.count(f"chat {OTEL_APP}") == 2 and "hotloop.decode" in names and wanted <= receiver.metrics:
                     break
             time.sleep(0.2)
-        names = {s.name for s in mine}
-        assert {"hotloop.v1.SessionService/CreateSession", "hotloop.v1.SessionService/Generate"} <= names
-        assert {"hotloop.queue", "hotloop.prefill", "hotloop.decode"} <= names
-        gen = next(s for s in mine if s.name.endswith("/Generate"))
-        attrs = {a.key: a.value for a in gen.attributes}
-        assert final.usage is not None
-        assert attrs["hotloop.tokens.generated"].int_value == final.usage.completion_tokens
+        names = [s.name for s in mine]
+        assert {"hotloop.v1.SessionService/CreateSession", "hotloop.v1.SessionService/Generate"} <= set(names)
+        assert {"hotloop.queue", "hotloop.prefill", "hotloop.decode"} <= set(names)
+        by_id = {s.span_id: s for s in mine}
+        rpcs = sorted((s for s in mine if s.name.endswith("/Generate")), key=lambda s: s.start_time_unix_nano)
+        chats = sorted((s for s in mine if s.name == f"chat {OTEL_APP}"), key=lambda s: s.start_time_unix_nano)
+        assert len(rpcs) == len(chats) == 2
+        for rpc, chat, turn in zip(rpcs, chats, (first, second), strict=True):
+            final = turn[-1]
+            assert final.usage is not None and final.finish_reason is not None
+            assert chat.kind == chat.SPAN_KIND_INTERNAL and by_id[chat.parent_span_id] is rpc
+            attrs = attributes(chat)
+            assert attrs["gen_ai.operation.name"] == "chat"
+            assert attrs["gen_ai.provider.name"] == "hotloop"
+            assert attrs["gen_ai.request.model"] == attrs["gen_ai.response.model"] == OTEL_APP
+            assert attrs["gen_ai.request.stream"] is True
+            assert attrs["gen_ai.conversation.id"] == session_id == attributes(rpc)["gen_ai.conversation.id"]
+            assert attrs["gen_ai.usage.input_tokens"] == final.usage.prompt_tokens
+            assert attrs["gen_ai.usage.output_tokens"] == final.usage.completion_tokens
+            cache_read = final.usage.cached_tokens + final.usage.restored_tokens
+            assert attrs["gen_ai.usage.cache_read.input_tokens"] == cache_read
+            assert attrs["hotloop.tokens.prefilled"] == final.usage.prefilled_tokens
+            reason = final.finish_reason.value
+            assert attrs["hotloop.finish_reason"] == reason
+            assert attrs["gen_ai.response.finish_reasons"] == [{"eos": "stop", "context": "length"}.get(reason, reason)]
+            for child in (s for s in mine if s.name in ("hotloop.queue", "hotloop.prefill", "hotloop.decode")):
+                assert child.parent_span_id in {c.span_id for c in chats}
+        assert attributes(chats[1])["gen_ai.usage.cache_read.input_tokens"] > 0  # the second turn hit the cache
         assert wanted <= receiver.metrics
+        genai = {"gen_ai.operation.name": "chat", "gen_ai.provider.name": "hotloop", "gen_ai.request.model": OTEL_APP}
+        for metric in ("gen_ai.server.time_to_first_token", "gen_ai.server.request.duration"):
+            assert any(genai.items() <= p.items() for p in receiver.points[metric]), receiver.points[metric]
+        assert all("hotloop.model" not in p for points in receiver.points.values() for p in points)
     finally:
         serve.delete(OTEL_APP)
     assert trace.get_tracer_provider() is not None
