@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import json
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
 from concurrent import futures
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -64,6 +67,16 @@ def attributes(item: Any) -> dict[str, Any]:
     return {a.key: value(a.value) for a in item.attributes}
 
 
+def replica_log_lines(trace_hex: str) -> list[str]:
+    """Request-log lines of one trace from the Ray workers' stderr files (this machine's Ray sessions)."""
+    found = []
+    sessions = [d for d in Path(tempfile.gettempdir(), "ray").glob("session_*") if not d.is_symlink()]  # not _latest
+    for path in (p for d in sessions for p in d.glob("logs/worker-*.err")):
+        with path.open(errors="replace") as f:
+            found += [line for line in f if line.startswith("{") and f'"trace_id":"{trace_hex}"' in line]
+    return sorted(found, key=lambda line: json.loads(line)["time"])
+
+
 @pytest.fixture
 def otlp() -> Iterator[tuple[Receiver, int]]:
     receiver = Receiver()
@@ -94,7 +107,7 @@ def test_spans_and_metrics_of_a_real_chat_reach_an_otlp_receiver(server: Server,
     config = server.config.model_copy(
         update={
             "models": [*server.config.models, model],
-            "telemetry": server.config.telemetry.model_copy(update={"enabled": True}),
+            "telemetry": server.config.telemetry.model_copy(update={"enabled": True, "request_log": "json"}),
         }
     )
     serve.run(model_app(config, model, "secret"), name=OTEL_APP, route_prefix=f"/{OTEL_APP}")
@@ -156,6 +169,19 @@ def test_spans_and_metrics_of_a_real_chat_reach_an_otlp_receiver(server: Server,
         for metric in ("gen_ai.server.time_to_first_token", "gen_ai.server.request.duration"):
             assert any(genai.items() <= p.items() for p in receiver.points[metric]), receiver.points[metric]
         assert all("hotloop.model" not in p for points in receiver.points.values() for p in points)
+
+        # One JSON request-log line per RPC in the replica's log, carrying the trace id, never the prompt.
+        trace_hex = format(trace_id, "032x")
+        lines: list[dict[str, Any]] = []
+        while time.monotonic() < deadline and len(lines) < 3:
+            lines = [json.loads(line) for line in replica_log_lines(trace_hex)]
+            time.sleep(0.2)
+        assert [r["rpc.method"] for r in lines] == ["CreateSession", "Generate", "Generate"], lines
+        for record, turn in zip(lines[1:], (first, second), strict=True):
+            assert record["logger"] == "hotloop_serve.requests" and record["rpc.grpc.status_code"] == "OK"
+            assert record["gen_ai.conversation.id"] == session_id
+            assert record["gen_ai.usage.output_tokens"] == turn[-1].usage.completion_tokens
+        assert not any("Hello!" in json.dumps(r) or "And then?" in json.dumps(r) for r in lines)
     finally:
         serve.delete(OTEL_APP)
     assert trace.get_tracer_provider() is not None
