@@ -736,6 +736,11 @@ SCHEMA_ERRORS: list[tuple[str, dict[str, Any], list[str]]] = [
         {"metrics": {"podMonitor": {"relabelings": [{"action": "rewrite"}]}}},
         ["/metrics/podMonitor/relabelings/0/action"],
     ),
+    (
+        "bad kv layout",
+        {"hotloop": {"models": [{**BASE_MODEL, "engine": {"kv_layout": "paged"}}]}},
+        ["/hotloop/models/0/engine/kv_layout"],
+    ),
     ("bad request log format", {"hotloop": {"telemetry": {"request_log": "xml"}}}, ["/hotloop/telemetry/request_log"]),
 ]
 
