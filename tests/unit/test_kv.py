@@ -1,0 +1,236 @@
+"""The KV manager and scheduler against a fake llama.cpp memory: every rule, no model."""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass, field
+
+from hotloop_serve.engine.kv import KVManager
+from hotloop_serve.engine.requests import Request, RequestKind, RequestState
+from hotloop_serve.engine.scheduler import Scheduler
+from hotloop_serve.engine.session import KVBytes, Session, SessionPhase
+from hotloop_serve.engine.settings import SamplingSettings
+from hotloop_serve.errors import HotloopError
+
+
+@dataclass
+class FakeMemory:
+    """Positions per sequence; a sliding window that can lose cells below ``lost_below``."""
+
+    n_swa: int = 0
+    partial_ok: bool = True
+    cells: dict[int, set[int]] = field(default_factory=dict)
+    lost_below: dict[int, int] = field(default_factory=dict)
+    restore_ok: bool = True
+
+    def seq_rm(self, seq: int, p0: int, p1: int) -> bool:
+        if p0 > 0 and not self.partial_ok:
+            return False
+        have = self.cells.setdefault(seq, set())
+        hi = p1 if p1 >= 0 else 1 << 30
+        lo = max(p0, 0)
+        self.cells[seq] = {p for p in have if not lo <= p < hi}
+        if p0 <= 0:
+            self.lost_below.pop(seq, None)
+        return True
+
+    def seq_cp(self, src: int, dst: int, p0: int, p1: int) -> None:
+        lost = self.lost_below.get(src, 0)
+        self.cells.setdefault(dst, set()).update(p for p in self.cells.get(src, set()) if p0 <= p < p1 and p >= lost)
+
+    def window_cells(self, seq: int) -> int:
+        have = self.cells.get(seq, set())
+        if not have:
+            return 0
+        top = max(have)
+        return sum(1 for p in have if top - p < self.n_swa and p >= self.lost_below.get(seq, 0))
+
+    def save(self, seq: int) -> KVBytes | None:
+        n = len(self.cells.get(seq, ()))
+        return (ctypes.c_uint8 * max(n, 1))()
+
+    def restore(self, seq: int, data: KVBytes) -> bool:
+        if not self.restore_ok:
+            self.cells[seq] = {0}  # a half-written restore
+            return False
+        self.cells[seq] = set(range(len(data)))
+        return True
+
+    def fill(self, s: Session, n: int) -> None:
+        assert s.seq is not None
+        self.cells.setdefault(s.seq, set()).update(range(len(s.tokens), len(s.tokens) + n))
+        s.tokens.extend(range(len(s.tokens), len(s.tokens) + n))
+
+
+def manager(mem: FakeMemory, seqs: int = 2, capacity: int = 100, ram: int = 10_000) -> KVManager:
+    return KVManager(mem, sequences=seqs, capacity_tokens=capacity, evicted_bytes=ram, shared_prefix_min_tokens=4)
+
+
+def session(name: str, owner: str = "p") -> Session:
+    return Session(name, owner, SamplingSettings())
+
+
+def test_lru_idle_session_is_evicted_to_ram_and_restored() -> None:
+    mem = FakeMemory()
+    kv = manager(mem)
+    a, b, c = session("a"), session("b"), session("c")
+    for s in (a, b):
+        assert kv.acquire(s)
+        mem.fill(s, 10)
+    a.last_used, b.last_used = 1.0, 2.0
+    assert kv.acquire(c)  # no free sequence: "a" (least recently used) goes to RAM
+    assert a.phase is SessionPhase.EVICTED and a.seq is None and kv.evicted.bytes == 10
+    mem.fill(c, 10)
+    kv.evict(b)
+    assert kv.acquire(a) and kv.restore(a) == 10 and a.phase is SessionPhase.HOT
+
+
+def test_past_the_ram_budget_the_oldest_evicted_session_is_dropped() -> None:
+    mem = FakeMemory()
+    kv = manager(mem, seqs=3, ram=15)
+    a, b = session("a"), session("b")
+    for s in (a, b):
+        kv.acquire(s)
+        mem.fill(s, 10)
+    kv.evict(a)
+    kv.evict(b)
+    assert a.phase is SessionPhase.DROPPED and a.tokens == [] and b.phase is SessionPhase.EVICTED
+
+
+def test_make_room_evicts_idle_but_never_protected_sessions() -> None:
+    mem = FakeMemory()
+    kv = manager(mem, seqs=3, capacity=30)
+    a, b, c = session("a"), session("b"), session("c")
+    for s in (a, b, c):
+        kv.acquire(s)
+        mem.fill(s, 10)
+    assert kv.make_room(10, protect=[a])
+    assert a.phase is SessionPhase.HOT and SessionPhase.EVICTED in (b.phase, c.phase)
+    assert not kv.make_room(100, protect=[a])
+
+
+def test_a_failed_restore_leaves_no_partial_state() -> None:
+    mem = FakeMemory()
+    kv = manager(mem, seqs=1)
+    a, b = session("a"), session("b")
+    kv.acquire(a)
+    mem.fill(a, 10)
+    kv.acquire(b)  # evicts a
+    kv.forget(b)
+    mem.restore_ok = False
+    kv.acquire(a)
+    assert kv.restore(a) == 0
+    assert a.tokens == [] and mem.cells[a.seq] == set() and kv.counters["restore_failures"] == 1  # type: ignore[index]
+
+
+def test_cut_rebuilds_when_sliding_window_cells_are_gone() -> None:
+    mem = FakeMemory(n_swa=8)
+    kv = manager(mem)
+    a = session("a")
+    kv.acquire(a)
+    mem.fill(a, 40)
+    assert kv.cut(a, 30) == 30  # the window before position 30 is intact
+    mem.lost_below[a.seq] = 20  # type: ignore[index]  # llama.cpp reused cells of positions < 20
+    assert kv.cut(a, 25) == 0 and a.tokens == [] and kv.counters["window_resets"] == 1
+
+
+def test_prefix_copy_is_per_owner_and_checks_the_window() -> None:
+    mem = FakeMemory(n_swa=8)
+    kv = manager(mem, seqs=4)
+    a, mine, theirs = session("a"), session("m"), session("t", owner="q")
+    kv.acquire(a)
+    mem.fill(a, 40)
+    for s in (mine, theirs):
+        kv.acquire(s)
+    prompt = list(range(30)) + [999]
+    assert kv.copy_prefix(theirs, prompt, 30) == 0
+    assert kv.copy_prefix(mine, prompt, 30) == 30 and mine.tokens == list(range(30))
+    kv.clear(mine)
+    mem.lost_below[a.seq] = 25  # type: ignore[index]
+    assert kv.copy_prefix(mine, prompt, 30) == 0 and mine.tokens == []
+
+
+def test_recurrent_models_only_reuse_whole_caches() -> None:
+    mem = FakeMemory(partial_ok=False)
+    kv = manager(mem, seqs=3)
+    a, b = session("a"), session("b")
+    kv.acquire(a)
+    mem.fill(a, 20)
+    kv.acquire(b)
+    assert kv.copy_prefix(b, list(range(10)) + [7], 10) == 0  # a partial copy is refused
+    assert kv.cut(a, 10) == 0 and a.tokens == []
+
+
+# -- scheduler
+
+
+def make_scheduler(kv: KVManager, max_running: int = 4) -> tuple[Scheduler, list[tuple[Request, RequestState]]]:
+    ended: list[tuple[Request, RequestState]] = []
+
+    def end(req: Request, state: RequestState, error: HotloopError | None) -> None:
+        if req.state is RequestState.WAITING:
+            req.session.pending -= 1
+        req.transition(state)
+        ended.append((req, state))
+
+    sched = Scheduler(kv, max_running=max_running, batch_tokens=64, prefill_chunk=16, lone_last_token=True, end=end)
+    return sched, ended
+
+
+def submit(sched: Scheduler, s: Session, prompt_len: int, order: int) -> Request:
+    req = Request(RequestKind.GENERATE, s, list(range(prompt_len)), SamplingSettings(), lambda: None, order=order)
+    s.pending += 1
+    sched.add(req)
+    return req
+
+
+def test_under_pressure_the_newest_running_request_is_preempted_and_resumes_first() -> None:
+    mem = FakeMemory()
+    kv = manager(mem, seqs=4, capacity=60)
+    sched, _ = make_scheduler(kv)
+    a, b = session("a"), session("b")
+    ra, rb = submit(sched, a, 20, 0), submit(sched, b, 20, 1)
+    sched.schedule()
+    for r in (ra, rb):  # both prefilled, both decoding
+        mem.fill(r.session, 20)
+        r.last_token = 1
+        r.transition(RequestState.DECODING)
+    mem.fill(a, 19)  # the replies grew: 59 of 60 cells used, the next step needs 2
+    plan = sched.schedule()
+    assert rb.state is RequestState.PREEMPTED and b.phase is SessionPhase.EVICTED
+    assert plan.decode == (0,) and sched.running == [ra]
+    newcomer = submit(sched, session("c"), 5, 2)
+    assert list(sched.waiting) == [rb, newcomer]  # the pre-empted one resumes first
+    kv.forget(a)
+    ra.transition(RequestState.FINISHED)
+    sched.schedule()
+    assert rb.state is RequestState.DECODING and b.phase is SessionPhase.HOT and len(b.tokens) == 20
+
+
+def test_a_request_waits_while_another_holds_its_session() -> None:
+    kv = manager(FakeMemory(), seqs=4)
+    sched, _ = make_scheduler(kv)
+    a = session("a")
+    first, second = submit(sched, a, 10, 0), submit(sched, a, 12, 1)
+    sched.schedule()
+    assert first.state is RequestState.PREFILLING and second.state is RequestState.WAITING
+    first.cancel_requested = True
+    sched.schedule()
+    assert first.state is RequestState.CANCELLED and second.state is RequestState.PREFILLING
+    assert a.pending == 0 and a.request is second
+
+
+def test_cancelling_a_preempted_request_frees_its_ram() -> None:
+    mem = FakeMemory()
+    kv = manager(mem, seqs=2, capacity=40)
+    sched, ended = make_scheduler(kv)
+    a, b = session("a"), session("b")
+    ra, rb = submit(sched, a, 10, 0), submit(sched, b, 10, 1)
+    sched.schedule()
+    mem.fill(a, 10)
+    mem.fill(b, 10)
+    assert sched.preempt_newest() and kv.evicted.bytes == 10
+    rb.cancel_requested = True
+    sched.schedule()
+    assert (rb, RequestState.CANCELLED) in ended and kv.evicted.bytes == 0 and b.phase is SessionPhase.DROPPED
+    assert ra.sampler is None and rb.sampler is None
