@@ -142,7 +142,7 @@ def test_prefix_copy_is_per_owner_and_checks_the_window() -> None:
     mem.fill(a, 40)
     for s in (mine, theirs):
         kv.acquire(s)
-    prompt = list(range(30)) + [999]
+    prompt = [*range(30), 999]
     assert kv.copy_prefix(theirs, prompt, 30) == 0
     assert kv.copy_prefix(mine, prompt, 30) == 30 and mine.tokens == list(range(30))
     kv.clear(mine)
@@ -157,7 +157,7 @@ def test_recurrent_models_only_reuse_whole_caches() -> None:
     kv.acquire(a)
     mem.fill(a, 20)
     kv.acquire(b)
-    assert kv.copy_prefix(b, list(range(10)) + [7], 10) == 0  # a partial copy is refused
+    assert kv.copy_prefix(b, [*range(10), 7], 10) == 0  # a partial copy is refused
     assert kv.cut(a, 10) == 0 and a.tokens == []
 
 
