@@ -216,15 +216,15 @@ class Telemetry:
             sc.INPUT_TOKENS: u.prompt_tokens,
             sc.OUTPUT_TOKENS: u.completion_tokens,
             sc.CACHE_READ_INPUT_TOKENS: cache_read,
-            sc.FINISH_REASONS: _finish_reasons(final.finish_reason),
             sc.TOKENS_REUSED: u.cached_tokens,
             sc.TOKENS_RESTORED: u.restored_tokens,
             sc.TOKENS_PREFILLED: u.prefilled_tokens,
             sc.FINISH_REASON: final.finish_reason or "",
             sc.CACHE_HIT: final.cache_hit,
         }
-        if method == "Generate":
+        if method == "Generate":  # Warmup generates nothing: no finish reasons
             attributes[sc.REQUEST_STREAM] = True
+            attributes[sc.FINISH_REASONS] = _finish_reasons(final.finish_reason)
         if span.session_id is not None:
             attributes[sc.CONVERSATION_ID] = span.session_id
         end = time.time_ns()
@@ -283,11 +283,12 @@ class Telemetry:
                     sc.OUTPUT_TOKENS: u.completion_tokens,
                     sc.CACHE_READ_INPUT_TOKENS: u.cached_tokens + u.restored_tokens,
                     sc.TOKENS_PREFILLED: u.prefilled_tokens,
-                    sc.FINISH_REASONS: _finish_reasons(final.finish_reason),
-                    sc.FINISH_REASON: final.finish_reason,
                     sc.CACHE_HIT: final.cache_hit,
                 }
             )
+            if call.method == "Generate":
+                fields[sc.FINISH_REASONS] = _finish_reasons(final.finish_reason)
+                fields[sc.FINISH_REASON] = final.finish_reason
         return fields
 
 

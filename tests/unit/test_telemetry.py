@@ -138,6 +138,30 @@ def test_generate_span_tree_attributes_and_metrics(
             assert dict(p.attributes)["gen_ai.request.model"] == "tiny", name
 
 
+def test_warmup_is_a_genai_span_without_output(
+    traced: tuple[ModelServicer, InMemorySpanExporter, InMemoryMetricReader],
+) -> None:
+    servicer, spans, reader = traced
+
+    async def run() -> session_pb2.WarmupResponse:
+        ctx = Context([])
+        create = session_pb2.CreateSessionRequest(model="tiny", session_key="key-67890")
+        session = await servicer.CreateSession(create, ctx)
+        msgs = [common_pb2.Message(role=common_pb2.ROLE_SYSTEM, content="be brief")]
+        return await servicer.Warmup(session_pb2.WarmupRequest(session_id=session.id, messages=msgs), ctx)
+
+    reply = asyncio.run(run())
+    finished = {s.name: s for s in spans.get_finished_spans()}
+    attrs = dict(finished["warmup tiny"].attributes or {})
+    assert attrs["gen_ai.operation.name"] == "warmup" and attrs["gen_ai.provider.name"] == "hotloop"
+    assert attrs["gen_ai.usage.input_tokens"] == reply.usage.prompt_tokens > 0
+    assert attrs["gen_ai.usage.output_tokens"] == 0
+    assert "gen_ai.response.finish_reasons" not in attrs and "gen_ai.request.stream" not in attrs
+    (duration,) = _points(reader)["gen_ai.server.request.duration"]
+    point = dict(duration.attributes)
+    assert point["gen_ai.operation.name"] == "warmup" and "error.type" not in point
+
+
 def test_every_genai_name_is_defined_by_the_pinned_semantic_conventions() -> None:
     """Names of the gen_ai.* namespace are the conventions': none is invented here."""
     from opentelemetry.semconv._incubating.attributes import error_attributes, gen_ai_attributes
