@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import os
 import platform
+import secrets
 import signal
 import statistics
 import subprocess
@@ -30,8 +31,9 @@ import psutil
 # bench/ is a folder of scripts, not a package: make ``workload`` importable however this
 # file is launched (``python bench/x.py`` already has bench/ on sys.path; ``-m`` has not).
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from hotloop_serve.serve.probe import free_port
 from workload import SessionScript, Turn, Workload, WorkloadSpec, build_workload, describe
+
+from hotloop_serve.serve.probe import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "bench" / "results"
@@ -291,13 +293,17 @@ class HotloopServer:
     def start(self, log_path: Path) -> None:
         import yaml
         from hotloop_client import Client
+
         from hotloop_serve.serve.probe import wait_until_serving
 
         fd, name = tempfile.mkstemp(prefix="hotloop-bench-", suffix=".yaml")
         with os.fdopen(fd, "w") as f:
             yaml.safe_dump(self.config, f)
         self._config_file = Path(name)
-        self._proc = ManagedProcess([str(HOTLOOP_CLI), "run", "--config", name], log_path)
+        # Several replicas need a session secret (hotloop_serve.serve.app.session_secret).
+        secret = os.environ.get("HOTLOOP_SESSION_SECRET") or secrets.token_urlsafe(32)
+        env = {**os.environ, "HOTLOOP_SESSION_SECRET": secret}
+        self._proc = ManagedProcess([str(HOTLOOP_CLI), "run", "--config", name], log_path, env=env)
         self._client = Client(self.address, timeout=REQUEST_TIMEOUT_S)
         deadline = time.monotonic() + READY_TIMEOUT_S
         while True:

@@ -57,8 +57,9 @@ from harness import (
     machine_facts,
     run_system,
 )
-from hotloop_serve.serve.probe import free_port
 from workload import SessionScript, Turn, Workload, WorkloadSpec, build_workload, describe, merge_system_prompt
+
+from hotloop_serve.serve.probe import free_port
 
 # ---------------------------------------------------------------------------------------
 # (a) llama-cpp-python's server

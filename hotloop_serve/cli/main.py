@@ -41,6 +41,18 @@ def _load(config: Path | None, port: int | None) -> Config:
     return cfg
 
 
+def _preflight(cfg: Config) -> None:
+    """Refuse to start what the replicas would refuse (auth sources, session secret), clearly."""
+    from hotloop_serve.serve.app import preflight
+
+    try:
+        for line in preflight(cfg):
+            err.print(f"hotloop-serve: {line}")
+    except ValueError as e:
+        err.print(f"hotloop-serve: {e}", style="red", markup=False)
+        raise typer.Exit(2) from e
+
+
 def _address(cfg: Config) -> str:
     return f"127.0.0.1:{cfg.server.grpc_port}"
 
@@ -57,6 +69,7 @@ def run(
     from hotloop_serve.serve.runner import start_server, stop_server, wait_until_serving
 
     cfg = _load(config, port)
+    _preflight(cfg)
     for m in cfg.models:  # assemble/check model files here, with visible progress, not in a replica
         resolve_model_path(m.path)
     err.print(f"hotloop-serve: starting Ray Serve with {len(cfg.models)} model(s) ...")
@@ -95,6 +108,7 @@ def start(
     from hotloop_serve.serve.probe import wait_until_serving
 
     cfg = _load(config, port)
+    _preflight(cfg)
     state = _state_dir()
     pid = _running_pid()
     if pid:

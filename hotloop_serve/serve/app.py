@@ -17,6 +17,7 @@ from ray.serve.config import AutoscalingConfig, RequestRouterConfig
 from ray.serve.deployment import Application
 
 from hotloop_serve.config import Config, ModelConfig, config_from_dict
+from hotloop_serve.serve.auth import describe_tokens, load_tokens
 from hotloop_serve.serve.deployment import ModelDeployment
 
 GRPC_SERVICER_FUNCTIONS = [
@@ -28,9 +29,32 @@ BUILDER_IMPORT_PATH = "hotloop_serve.serve.app:build_app"
 
 
 def session_secret(config: Config) -> str:
-    """The key signing session ids, shared by all replicas: from the environment, else fresh."""
+    """The key signing session ids, shared by all replicas: from the environment, else fresh.
+
+    A fresh key changes every session id at each deploy (a config change, a restart), and a
+    deployment of several replicas is one that gets redeployed under live sessions: there, no
+    key is refused with a ``ValueError`` saying how to set one.
+    """
     name = config.auth.session_secret_env
-    return (os.environ.get(name) if name else None) or secrets.token_urlsafe(32)
+    secret = os.environ.get(name) if name else None
+    if secret:
+        return secret
+    several = [m.name for m in config.models if m.autoscaling or m.replicas > 1]
+    if several:
+        where = f"the environment variable {name}" if name else "auth.session_secret_env and that variable"
+        raise ValueError(
+            f"{', '.join(several)}: several replicas (or autoscaling) need one session secret that survives "
+            f"redeploys; set {where}, e.g. "
+            "export HOTLOOP_SESSION_SECRET=$(python3 -c 'import secrets; print(secrets.token_urlsafe(32))')"
+        )
+    return secrets.token_urlsafe(32)
+
+
+def preflight(config: Config) -> list[str]:
+    """What would make the replicas refuse to start, checked before deploying (``ValueError``
+    with the reason); returns start-up facts worth printing (how auth is set up)."""
+    session_secret(config)
+    return [describe_tokens(load_tokens(config.auth))]
 
 
 def deployment_options(model: ModelConfig) -> dict[str, Any]:

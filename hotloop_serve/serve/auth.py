@@ -1,49 +1,110 @@
 """Bearer-token authentication: token -> principal, checked on every RPC.
 
 Tokens come from the config inline, a file of ``principal:token`` lines (a mounted
-Kubernetes Secret) or an environment variable. With none configured, auth is off and
-every caller is the principal ``anonymous``.
+Kubernetes Secret) or an environment variable of comma-separated pairs. A principal may hold
+several tokens (list it once per token: rotation without downtime). With no token source
+configured, auth is off and every caller is the principal ``anonymous``.
+
+Loading fails closed (:func:`load_tokens` raises ``ValueError`` naming the source): a
+configured source that yields no token (an unset variable, an empty or missing file), a token
+shorter than :data:`MIN_TOKEN_LENGTH`, or one token given to two principals. Repeated entries
+are reported in the log.
 """
 
 from __future__ import annotations
 
 import hmac
+import logging
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
 from hotloop_serve.config import AuthConfig
 from hotloop_serve.errors import Unauthenticated
 
 ANONYMOUS = "anonymous"
+MIN_TOKEN_LENGTH = 16
+"""Shortest bearer token accepted from the config (16 random characters: ~96 bits)."""
+
+log = logging.getLogger(__name__)
 
 
-def _pairs(text: str, separators: str) -> dict[str, str]:
-    out: dict[str, str] = {}
-    for raw in text.replace(separators, "\n").splitlines():
+def _entries(text: str, separator: str, source: str) -> list[tuple[str, str]]:
+    """``principal:token`` entries of ``text``, one per line (or per ``separator``)."""
+    out: list[tuple[str, str]] = []
+    for raw in text.replace(separator, "\n").splitlines():
         line = raw.strip()
         if not line or line.startswith("#"):
             continue
         principal, sep, token = line.partition(":")
         if not sep or not principal.strip() or not token.strip():
-            raise ValueError("token entries must look like 'principal:token'")
-        out[principal.strip()] = token.strip()
+            raise ValueError(f"{source}: token entries must look like 'principal:token'")
+        out.append((principal.strip(), token.strip()))
     return out
 
 
-def load_tokens(cfg: AuthConfig) -> dict[str, str]:
-    """principal -> token from every configured source (later sources win)."""
-    tokens = dict(cfg.tokens)
+def _sources(cfg: AuthConfig) -> list[tuple[str, list[tuple[str, str]]]]:
+    """Each configured source with its entries; a source configured but empty is an error."""
+    sources: list[tuple[str, list[tuple[str, str]]]] = []
+    if cfg.tokens:
+        sources.append(("auth.tokens", list(cfg.tokens.items())))
     if cfg.tokens_file:
-        tokens.update(_pairs(Path(cfg.tokens_file).read_text(), "\n"))
+        name = f"auth.tokens_file ({cfg.tokens_file})"
+        try:
+            text = Path(cfg.tokens_file).read_text()
+        except OSError as exc:
+            raise ValueError(f"{name} cannot be read: {exc.strerror or exc}; refusing to start without auth") from exc
+        sources.append((name, _entries(text, "\n", name)))
     if cfg.tokens_env:
-        tokens.update(_pairs(os.environ.get(cfg.tokens_env, ""), ","))
-    return tokens
+        name = f"auth.tokens_env (${cfg.tokens_env})"
+        value = os.environ.get(cfg.tokens_env)
+        if value is None:
+            raise ValueError(f"{name} is not set; refusing to start without auth")
+        sources.append((name, _entries(value, ",", name)))
+    for name, entries in sources:
+        if not entries:
+            raise ValueError(f"{name} holds no 'principal:token' entry; refusing to start without auth")
+    return sources
+
+
+def load_tokens(cfg: AuthConfig) -> dict[str, tuple[str, ...]]:
+    """principal -> its tokens, from every configured source ({} when none is: auth off)."""
+    tokens: dict[str, list[str]] = {}
+    owner: dict[str, str] = {}
+    for source, entries in _sources(cfg):
+        for principal, token in entries:
+            if len(token) < MIN_TOKEN_LENGTH:
+                raise ValueError(
+                    f"{source}: the token of {principal!r} has {len(token)} characters; "
+                    f"at least {MIN_TOKEN_LENGTH} are required"
+                )
+            if owner.get(token, principal) != principal:
+                raise ValueError(f"{source}: one token is given to both {owner[token]!r} and {principal!r}")
+            if token in tokens.get(principal, ()):
+                log.warning("auth: %s repeats a token of %r (ignored)", source, principal)
+                continue
+            owner[token] = principal
+            tokens.setdefault(principal, []).append(token)
+    return {p: tuple(t) for p, t in tokens.items()}
+
+
+def describe_tokens(tokens: Mapping[str, Sequence[str]]) -> str:
+    """For the start-up log: how many principals and tokens, never the tokens."""
+    if not tokens:
+        return "auth off: every caller is 'anonymous'"
+    n = sum(len(t) for t in tokens.values())
+    return f"auth on: {len(tokens)} principal(s), {n} token(s)"
 
 
 class Authenticator:
-    def __init__(self, tokens: dict[str, str]) -> None:
-        self._tokens = [(p, t.encode()) for p, t in tokens.items()]
+    """Checks ``authorization: Bearer <token>`` against every known token."""
+
+    def __init__(self, tokens: Mapping[str, str | Sequence[str]]) -> None:
+        self._tokens = [
+            (principal, token.encode())
+            for principal, given in tokens.items()
+            for token in ((given,) if isinstance(given, str) else given)
+        ]
 
     @property
     def enabled(self) -> bool:
@@ -61,7 +122,7 @@ class Authenticator:
         scheme, _, token = header.partition(" ")
         if scheme.lower() != "bearer" or not token:
             raise Unauthenticated("malformed authorization metadata: expected 'Bearer <token>'")
-        given = token.strip().encode()
+        given = token.strip().encode(errors="replace")
         found = None
         for principal, expected in self._tokens:  # compare with every token: timing reveals nothing
             if hmac.compare_digest(given, expected):

@@ -12,7 +12,7 @@ from ray import serve
 from hotloop_serve.config import config_from_dict
 from hotloop_serve.engine.engine import Engine
 from hotloop_serve.engine.settings import SamplingSettings
-from hotloop_serve.serve.auth import Authenticator, load_tokens
+from hotloop_serve.serve.auth import Authenticator, describe_tokens, load_tokens
 from hotloop_serve.serve.model_source import resolve_model_path
 from hotloop_serve.serve.servicer import ModelServicer
 from hotloop_serve.serve.session_ids import SessionIds
@@ -28,6 +28,7 @@ class ModelReplica(ModelServicer):
     def __init__(self, config: dict[str, Any], model: str, session_secret: str) -> None:
         cfg = config_from_dict(config)
         mcfg = cfg.model(model)
+        tokens = load_tokens(cfg.auth)  # fails closed (a configured source with no token), before loading
         tracer_provider, meter_provider = configure_telemetry(cfg.telemetry.enabled, cfg.telemetry.console)
         defaults = SamplingSettings().merged(**mcfg.default_settings())
         engine = Engine(
@@ -50,12 +51,19 @@ class ModelReplica(ModelServicer):
             mcfg,
             engine,
             SessionIds(session_secret.encode(), mcfg.name),
-            Authenticator(load_tokens(cfg.auth)),
+            Authenticator(tokens),
             telemetry,
             replica_id=replica_id,
             replica_rank=self._rank,
         )
-        log.info("hotloop replica %s (rank %d) serving %s from %s", replica_id, self._rank, mcfg.name, mcfg.path)
+        log.info(
+            "hotloop replica %s (rank %d) serving %s from %s; %s",
+            replica_id,
+            self._rank,
+            mcfg.name,
+            mcfg.path,
+            describe_tokens(tokens),
+        )
 
     async def route_create(self, request: spb.CreateSessionRequest, principal: str) -> spb.Session:
         """Through our own deployment's handle, so the affinity router picks the key's owner."""

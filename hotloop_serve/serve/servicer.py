@@ -176,7 +176,10 @@ class ModelServicer:
     async def Tokenize(self, request: mpb.TokenizeRequest, principal: str, span: RpcSpan) -> mpb.TokenizeResponse:
         self._check_model(request.model)
         self._check_size(request)
-        return mpb.TokenizeResponse(tokens=self.engine.model.tokenize(request.text, request.add_special))
+        # Off the event loop: a 4 MiB text takes a while to tokenize, and every other RPC of
+        # this replica shares the loop.
+        tokens = await asyncio.to_thread(self.engine.model.tokenize, request.text, request.add_special)
+        return mpb.TokenizeResponse(tokens=tokens)
 
     # -- SessionService ----------------------------------------------------------------
     @unary(spb.Session)

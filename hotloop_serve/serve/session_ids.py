@@ -17,7 +17,8 @@ import secrets
 
 from hotloop_serve.errors import InvalidArgument, NotFound
 
-KEY_PATTERN = re.compile(r"^[A-Za-z0-9_-]{8,64}$")
+KEY_PATTERN = re.compile(r"[A-Za-z0-9_-]{8,64}")
+"""A routing key, matched whole (``fullmatch``: ``$`` would accept a trailing newline)."""
 
 
 def routing_key(session_id: str) -> str:
@@ -40,15 +41,20 @@ class SessionIds:
 
     def new(self, principal: str, key: str = "") -> str:
         """A signed id for a new session; ``key`` is the client's routing key, if it sent one."""
-        if key and not KEY_PATTERN.match(key):
+        if key and not KEY_PATTERN.fullmatch(key):
             raise InvalidArgument("session_key must be 8-64 characters of A-Z, a-z, 0-9, '_' or '-'")
         key = key or new_routing_key()
         return f"{key}.{self._sign(key, principal)}"
 
     def verify(self, session_id: str, principal: str) -> str:
-        """Return the id if it was issued to ``principal`` for this model; NOT_FOUND otherwise."""
+        """Return the id if it was issued to ``principal`` for this model; NOT_FOUND otherwise.
+
+        Any string is an answerable question: non-ASCII, over-long or malformed ids are simply
+        not found (the signature is compared as bytes, in constant time).
+        """
         key, _, sig = session_id.partition(".")
-        if not (KEY_PATTERN.match(key) and sig and hmac.compare_digest(sig, self._sign(key, principal))):
+        expected = self._sign(key, principal).encode() if KEY_PATTERN.fullmatch(key) else None
+        if expected is None or not sig or not hmac.compare_digest(sig.encode(errors="replace"), expected):
             shown = session_id if len(session_id) <= 80 else session_id[:77] + "..."
             raise NotFound(f"session {shown!r} not found")
         return session_id

@@ -7,6 +7,8 @@ port and stopped at the end.
 
 from __future__ import annotations
 
+import os
+import secrets
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -47,6 +49,8 @@ def server() -> Iterator[Server]:
     port = free_port()
     config = integration_config(port)
     address = f"127.0.0.1:{port}"
+    # gemma-duo runs two replicas: a deployment of several needs a session secret (app.session_secret).
+    os.environ.setdefault("HOTLOOP_SESSION_SECRET", secrets.token_urlsafe(32))
     try:
         start_server(config, num_cpus=8)
         wait_until_serving(address, [m.name for m in config.models], timeout_s=300)

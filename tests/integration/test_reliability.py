@@ -38,7 +38,7 @@ from .conftest import Server
 
 pytestmark = pytest.mark.integration
 APP = "gemma-guard"
-TOKENS = {"alice": "alice-token-123", "bob": "bob-token-456"}
+TOKENS = {"alice": "alice-token-0123456789", "bob": "bob-token-0123456789"}  # >= MIN_TOKEN_LENGTH
 MAX_BYTES = 65536
 MAX_SAMPLE_LEN = 16
 WINDOW = 512

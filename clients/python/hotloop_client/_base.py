@@ -44,7 +44,7 @@ from ._types import (
 LIST_APPLICATIONS_METHOD = "/ray.serve.RayServeAPIService/ListApplications"
 """Ray Serve's own RPC on its gRPC proxy; it needs no ``application`` metadata."""
 
-SESSION_KEY_PATTERN = re.compile(r"^[A-Za-z0-9_-]{8,64}$")
+SESSION_KEY_PATTERN = re.compile(r"\A[A-Za-z0-9_-]{8,64}\Z")
 
 
 def new_session_key() -> str:
