@@ -19,6 +19,7 @@ from ray.serve.deployment import Application
 from hotloop_serve.config import Config, ModelConfig, config_from_dict
 from hotloop_serve.serve.auth import describe_tokens, load_tokens
 from hotloop_serve.serve.deployment import ModelDeployment
+from hotloop_serve.serve.servicer import HEALTH_WATCHES
 
 GRPC_SERVICER_FUNCTIONS = [
     "hotloop.v1.session_pb2_grpc.add_SessionServiceServicer_to_server",
@@ -57,9 +58,30 @@ def preflight(config: Config) -> list[str]:
     return [describe_tokens(load_tokens(config.auth))]
 
 
+CONTROL_HEADROOM = 4
+"""Request slots of a replica kept for control RPCs (GetSession, ClearCache, CloseSession,
+UpdateSettings...) above its model work, so long streams never starve them."""
+
+
+def max_ongoing_requests(model: ModelConfig) -> int:
+    """Requests one replica takes at once (Ray Serve's ``max_ongoing_requests``).
+
+    Model work (Generate, Warmup) is bounded by the engine itself: ``hot_sessions`` decode
+    together, ``max_queue`` more wait, and the next is refused with RESOURCE_EXHAUSTED. The
+    replica's slots cover all of that plus :data:`CONTROL_HEADROOM` and the health Watch
+    streams (``servicer.HEALTH_WATCHES``), so a session's control RPCs and health checks
+    always find a slot on the session's owner, and the router never has to send them to a
+    replica that does not hold the session. ``routing.max_ongoing_requests`` overrides it.
+    """
+    engine = model.engine
+    return model.routing.max_ongoing_requests or (
+        engine.hot_sessions + engine.max_queue + CONTROL_HEADROOM + HEALTH_WATCHES
+    )
+
+
 def deployment_options(model: ModelConfig) -> dict[str, Any]:
     """Ray Serve options for a model's deployment, from its config."""
-    max_ongoing = model.routing.max_ongoing_requests or model.engine.hot_sessions
+    max_ongoing = max_ongoing_requests(model)
     actor: dict[str, Any] = {"num_cpus": model.resources.num_cpus, "num_gpus": model.resources.num_gpus}
     if model.resources.memory_bytes:
         actor["memory"] = model.resources.memory_bytes

@@ -2,13 +2,18 @@
 
 Algorithm (rendezvous / highest-random-weight hashing over replica *ranks*):
 
-1. The routing key is the session id's key part (``session_ids.routing_key``), read from the
-   request proto: ``session_id`` for every session RPC, ``session_key`` for CreateSession.
-2. Each candidate replica scores ``blake2b(key, rank)``; the tiers returned are the replicas
-   in descending score, one per tier. Ray Serve tries tier by tier and skips a replica that
-   is at ``max_ongoing_requests``: so the owner serves its sessions unless it is full (bounded
-   load), and then the *next-ranked* replica, which is deterministic too, rebuilds the cache
-   from the request's history.
+1. The routing key is the session id's key part (``session_ids.routing_key``). The SDKs send
+   it as the ``session_id`` gRPC metadata, which Ray's proxy hands to the router, so nothing
+   is decoded; from a stock client it is read from the request proto (``session_id`` for
+   every session RPC, ``session_key`` for CreateSession), only for requests up to
+   :data:`MAX_DECODED_BYTES` (a 4 MiB history is not unpickled to find a key).
+2. Each candidate replica scores ``blake2b(key, rank)``; the tiers are the replicas in
+   descending score, one per tier. Ray Serve tries tier by tier and skips a replica that is at
+   ``max_ongoing_requests``. Only Generate gets every tier: it carries the whole history, so
+   when the owner is full the *next-ranked* replica (deterministic too) rebuilds the cache from
+   it. Every other session RPC gets its owner alone (a control RPC on another replica would
+   act on nothing there: clear no cache, report 0 tokens, create a shadow session), and waits
+   for a slot or fails; ``app.max_ongoing_requests`` keeps slots free for them.
 3. Ranks, not replica ids: a replacement replica inherits the dead one's rank, so exactly the
    dead replica's sessions move, and move back. Adding a replica takes about 1/N of the keys
    from the others; removing one moves only its own keys.
@@ -28,14 +33,33 @@ import pickle
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
 _FIELDS = ("session_id", "session_key")
+MAX_DECODED_BYTES = 64 * 1024
+"""Largest proxied request the router unpickles to find a key the caller did not send as
+metadata; a larger one from a stock client is routed as keyless (Generate rebuilds the cache)."""
+SPILLS = frozenset({"Generate"})
+"""The RPCs that may run on a replica other than the session's owner."""
+
+
+def _metadata_key(pending_request: PendingRequest) -> str | None:
+    """The key the SDKs send as ``session_id`` metadata (Ray's proxy passes it to the router)."""
+    metadata = getattr(pending_request, "metadata", None)
+    value = getattr(metadata, "session_id", None)
+    if isinstance(value, str) and value:
+        return value.split(".", 1)[0]
+    return None
 
 
 def request_key(pending_request: PendingRequest | None) -> str | None:
     """The session routing key of a request, or None for requests not tied to a session."""
-    if pending_request is None or not pending_request.args:
+    if pending_request is None:
         return None
+    key = _metadata_key(pending_request)
+    if key is not None or not pending_request.args:
+        return key
     arg = pending_request.args[0]
     if isinstance(arg, bytes):  # from the gRPC proxy: a pickled gRPCRequest
+        if len(arg) > MAX_DECODED_BYTES:
+            return None
         try:
             arg = pickle.loads(arg).user_request_proto
         except Exception:
@@ -77,5 +101,7 @@ class SessionAffinityRouter(RequestRouter):  # type: ignore[misc]
         if key is None or len(candidate_replicas) <= 1:
             return [candidate_replicas]
         order = rendezvous_order(key, [replica_rank(r) for r in candidate_replicas])
-        return [[candidate_replicas[i]] for i in order]
+        tiers = [[candidate_replicas[i]] for i in order]
+        method = getattr(getattr(pending_request, "metadata", None), "call_method", "")
+        return tiers if method in SPILLS else tiers[:1]
 

@@ -32,6 +32,12 @@ from hotloop_serve.telemetry import RpcSpan, Telemetry
 
 _CLOSED_REMEMBERED = 4096
 
+HEALTH_WATCHES = 2
+"""``grpc.health.v1.Health/Watch`` streams one replica holds at once. Each holds one of the
+replica's request slots for as long as it is open, so ``app.deployment_options`` reserves this
+many slots for them, and a Watch beyond them is refused at once (RESOURCE_EXHAUSTED: poll
+Check instead): health never takes the slots of model work."""
+
 _Request = TypeVar("_Request", bound=Message)
 _Reply = TypeVar("_Reply", bound=Message)
 _Handler = Callable[["ModelServicer", _Request, str, RpcSpan], Awaitable[_Reply]]
@@ -98,6 +104,7 @@ class ModelServicer:
         self.telemetry = telemetry
         self.served_by = pb.ServedBy(replica=replica_id, replica_rank=replica_rank)
         self._closed: OrderedDict[str, None] = OrderedDict()
+        self._watches = 0
 
     # -- helpers -----------------------------------------------------------------------
     def _principal(self, grpc_context: Any) -> str:
@@ -315,13 +322,24 @@ class ModelServicer:
         return reply(status=reply.SERVING if self.serving() else reply.NOT_SERVING)
 
     async def Watch(self, request: health_pb2.HealthCheckRequest, grpc_context: Any = None) -> AsyncIterator[Any]:
-        """Stream the status now and whenever it changes (polled once a second)."""
-        last = None
-        while True:
-            status = await self.Check(request, grpc_context)
-            if status.status != last:
-                last = status.status
-                yield status
-            await asyncio.sleep(1.0)
+        """Stream the status now and whenever it changes (polled once a second); at most
+        :data:`HEALTH_WATCHES` at once per replica."""
+        if self._watches >= HEALTH_WATCHES:
+            error = ResourceExhausted(
+                f"this replica serves at most {HEALTH_WATCHES} health Watch streams at once; poll Check instead"
+            )
+            set_status(grpc_context, error)
+            raise error  # a stream's status reaches the proxy with an exception (see Generate)
+        self._watches += 1
+        try:
+            last = None
+            while True:
+                status = await self.Check(request, grpc_context)
+                if status.status != last:
+                    last = status.status
+                    yield status
+                await asyncio.sleep(1.0)
+        finally:
+            self._watches -= 1
 
 

@@ -274,6 +274,10 @@ def test_generate_streams_and_sends_settings_every_turn(client: Client, fake: tu
     assert second.request.settings.temperature == pytest.approx(0.5)
     assert second.request.settings.top_k == 40
     assert all(c.metadata["application"] == MODEL for c in rec.calls)
+    # The routing key as metadata, for the session-affinity router (it never decodes requests).
+    (create,) = rec.of("CreateSession")
+    assert create.metadata["session_id"] == create.request.session_key
+    assert first.metadata["session_id"] == second.metadata["session_id"] == session.id.split(".", 1)[0]
 
 
 def test_generate_rejects_bad_input_before_any_rpc(client: Client, fake: tuple[str, Recorder]) -> None:

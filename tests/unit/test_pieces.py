@@ -159,7 +159,8 @@ def test_config_rejects_unknown_keys_and_bad_values() -> None:
 
 
 def test_deployment_options_from_config() -> None:
-    from hotloop_serve.serve.app import deployment_options, serve_config
+    from hotloop_serve.serve.app import CONTROL_HEADROOM, deployment_options, serve_config
+    from hotloop_serve.serve.servicer import HEALTH_WATCHES
 
     cfg = config_from_dict(
         {
@@ -174,7 +175,8 @@ def test_deployment_options_from_config() -> None:
         }
     )
     a, b = (deployment_options(m) for m in cfg.models)
-    assert a["num_replicas"] == 1 and a["max_ongoing_requests"] == 6
+    # the engine's batch (6) and queue (64), plus headroom for control RPCs and health watches
+    assert a["num_replicas"] == 1 and a["max_ongoing_requests"] == 6 + 64 + CONTROL_HEADROOM + HEALTH_WATCHES
     assert a["ray_actor_options"]["runtime_env"] == {"env_vars": {"X": "1"}}
     assert "SessionAffinityRouter" in a["request_router_config"].request_router_class
     assert b["autoscaling_config"].max_replicas == 3 and "num_replicas" not in b

@@ -21,7 +21,7 @@ from ray.serve._private.common import (
 )
 from ray.serve.request_router import PendingRequest
 
-from hotloop_serve.serve.router import SessionAffinityRouter
+from hotloop_serve.serve.router import MAX_DECODED_BYTES, SessionAffinityRouter
 from hotloop_serve.serve.session_ids import SessionIds
 
 DEPLOYMENT = DeploymentID(name="ModelDeployment", app_name="gemma-3-270m")
@@ -46,11 +46,14 @@ def replicas(n: int, prefix: str = "r") -> list[FakeReplica]:
     return [FakeReplica(f"{prefix}{i}", i) for i in range(n)]
 
 
-def pending(request: Any, *, from_proxy: bool = True) -> PendingRequest:
-    """A request as the router sees it: from the gRPC proxy a pickled ``gRPCRequest``; from a
-    deployment handle (CreateSessionFor) the proto itself."""
+def pending(request: Any, *, from_proxy: bool = True, method: str = "", session_id: str = "") -> PendingRequest:
+    """A request as the router sees it: from the gRPC proxy a pickled ``gRPCRequest`` (and the
+    ``session_id`` metadata the SDKs send); from a deployment handle (CreateSessionFor) the
+    proto itself. ``method`` defaults to the RPC named by the request's type."""
     arg = pickle.dumps(gRPCRequest(user_request_proto=request)) if from_proxy else request
-    return PendingRequest(args=[arg], kwargs={}, metadata=RequestMetadata(request_id="r", internal_request_id="i"))
+    method = method or type(request).__name__.removesuffix("Request")
+    metadata = RequestMetadata(request_id="r", internal_request_id="i", call_method=method, session_id=session_id)
+    return PendingRequest(args=[arg], kwargs={}, metadata=metadata)
 
 
 def choose(
@@ -79,30 +82,53 @@ def router(loop: asyncio.AbstractEventLoop) -> SessionAffinityRouter:
     return SessionAffinityRouter(DEPLOYMENT, DeploymentHandleSource.PROXY)
 
 
-def test_every_rpc_of_a_session_ranks_the_same_owner_first(router: SessionAffinityRouter) -> None:
+def test_every_rpc_of_a_session_goes_to_the_same_owner_only_generate_spills(router: SessionAffinityRouter) -> None:
     pool = replicas(4)
     for key in ("key-00000001", "key-00000002", "another-key", "k" * 64):
         sid = IDS.new("alice", key)
+        generate = choose(router, pool, pending(session_pb2.GenerateRequest(session_id=sid)))
+        # Generate: one replica per tier, each once: the owner, then the deterministic fallbacks.
+        assert all(len(tier) == 1 for tier in generate)
+        assert sorted(tier[0] for tier in generate) == sorted(r.unique_id for r in pool)
+        owner_only = [generate[0]]
+        create = session_pb2.CreateSessionRequest(model="m", session_key=key)
         requests = [
-            pending(session_pb2.CreateSessionRequest(model="m", session_key=key)),
-            pending(session_pb2.CreateSessionRequest(model="m", session_key=key), from_proxy=False),
-            pending(session_pb2.GenerateRequest(session_id=sid)),
+            pending(create),
+            pending(create, from_proxy=False, method="CreateSessionFor"),  # through the deployment handle
             pending(session_pb2.WarmupRequest(session_id=sid)),
             pending(session_pb2.GetSessionRequest(session_id=sid)),
             pending(session_pb2.UpdateSettingsRequest(session_id=sid)),
             pending(session_pb2.ClearCacheRequest(session_id=sid)),
             pending(session_pb2.CloseSessionRequest(session_id=sid)),
         ]
-        rankings = [choose(router, pool, r) for r in requests]
-        assert all(r == rankings[0] for r in rankings), key
-        # One replica per tier, each once: the owner, then the deterministic fallbacks.
-        assert all(len(tier) == 1 for tier in rankings[0])
-        assert sorted(tier[0] for tier in rankings[0]) == sorted(r.unique_id for r in pool)
+        for request in requests:  # a control RPC elsewhere would act on nothing: owner or wait
+            assert choose(router, pool, request) == owner_only, (key, request.metadata.call_method)
+
+
+def test_the_key_is_read_from_metadata_without_decoding(router: SessionAffinityRouter) -> None:
+    pool = replicas(4)
+    sid = IDS.new("alice", "metadata-key")
+    from_proto = choose(router, pool, pending(session_pb2.GenerateRequest(session_id=sid)))
+    # What the SDKs send: the key as metadata; the (possibly 4 MiB) request is never unpickled.
+    opaque = PendingRequest(
+        args=[b"not a pickle"],
+        kwargs={},
+        metadata=RequestMetadata("r", "i", call_method="Generate", session_id="metadata-key"),
+    )
+    assert choose(router, pool, opaque) == from_proto
+
+
+def test_a_large_request_without_metadata_is_not_unpickled(router: SessionAffinityRouter) -> None:
+    pool = replicas(3)
+    big = session_pb2.GenerateRequest(session_id=IDS.new("a", "big-history"))
+    big.messages.add(content="x" * (MAX_DECODED_BYTES + 1))
+    assert choose(router, pool, pending(big)) == [["r0", "r1", "r2"]]
+    assert len(choose(router, pool, pending(big, session_id="big-history"))) == 3
 
 
 def test_the_ranking_ignores_candidate_order_and_router_instance(router: SessionAffinityRouter) -> None:
     pool = replicas(5)
-    request = pending(session_pb2.GetSessionRequest(session_id=IDS.new("bob", "order-test-key")))
+    request = pending(session_pb2.GenerateRequest(session_id=IDS.new("bob", "order-test-key")))
     expected = choose(router, pool, request)
     other = SessionAffinityRouter(DEPLOYMENT, DeploymentHandleSource.REPLICA)  # e.g. another proxy
     rng = random.Random(7)
@@ -116,7 +142,7 @@ def test_the_ranking_ignores_candidate_order_and_router_instance(router: Session
 def test_sessions_spread_over_the_replicas(router: SessionAffinityRouter) -> None:
     pool = replicas(3)
     owners = [
-        choose(router, pool, pending(session_pb2.GetSessionRequest(session_id=IDS.new("a", f"spread-{i:04d}"))))[0][0]
+        choose(router, pool, pending(session_pb2.GenerateRequest(session_id=IDS.new("a", f"spread-{i:04d}"))))[0][0]
         for i in range(300)
     ]
     counts = {r.unique_id: owners.count(r.unique_id) for r in pool}
@@ -160,7 +186,7 @@ def test_a_replacement_replica_inherits_its_ranks_sessions(router: SessionAffini
 
 def test_removing_a_replica_moves_only_its_sessions(router: SessionAffinityRouter) -> None:
     pool = replicas(4)
-    requests = [pending(session_pb2.GetSessionRequest(session_id=IDS.new("a", f"remove-{i:03d}"))) for i in range(80)]
+    requests = [pending(session_pb2.GenerateRequest(session_id=IDS.new("a", f"remove-{i:03d}"))) for i in range(80)]
     before = [choose(router, pool, r) for r in requests]
     after = [choose(router, pool[:3], r)[0][0] for r in requests]
     moved = 0
@@ -175,7 +201,7 @@ def test_removing_a_replica_moves_only_its_sessions(router: SessionAffinityRoute
 
 def test_a_replica_without_a_published_rank_hashes_on_its_id(router: SessionAffinityRouter) -> None:
     pool = [FakeReplica("a", None), FakeReplica("b", None)]
-    request = pending(session_pb2.GetSessionRequest(session_id=IDS.new("a", "unranked-key")))
+    request = pending(session_pb2.GenerateRequest(session_id=IDS.new("a", "unranked-key")))
     ranking = choose(router, pool, request)
     assert sorted(t[0] for t in ranking) == ["a", "b"]
     assert choose(router, pool[::-1], request) == ranking

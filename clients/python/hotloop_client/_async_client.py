@@ -84,14 +84,20 @@ class AsyncClient:
     # -- plumbing ---------------------------------------------------------------------
 
     async def _unary(
-        self, method: Callable[..., Any], request: Any, application: str | None, timeout: float | None
+        self,
+        method: Callable[..., Any],
+        request: Any,
+        application: str | None,
+        timeout: float | None,
+        session_key: str | None = None,
     ) -> Any:
         """One unary call, retried once after a replica failure, errors translated."""
         deadline = self._base.deadline(timeout)
         attempt = 1
         while True:
             try:
-                return await method(request, metadata=self._base.metadata(application), timeout=deadline.remaining())
+                metadata = self._base.metadata(application, session_key)
+                return await method(request, metadata=metadata, timeout=deadline.remaining())
             except grpc.RpcError as exc:
                 if not _base.should_retry_unary(exc, attempt):
                     raise from_rpc_error(exc) from exc
@@ -179,7 +185,7 @@ class AsyncModel:
         client = self._client
         settings = settings or Settings()
         request = _base.create_session_request(self.name, settings, _base.new_session_key())
-        pb = await client._unary(client._stubs.sessions.CreateSession, request, self.name, timeout)
+        pb = await client._unary(client._stubs.sessions.CreateSession, request, self.name, timeout, request.session_key)
         state = _base.SessionState(id=pb.id, model=self.name, settings=settings)
         state.apply(pb, settings)
         return AsyncSession(client, state)
@@ -211,7 +217,7 @@ class AsyncSession:
         return self._state.settings
 
     async def _call(self, method: Callable[..., Any], request: Any, timeout: float | None) -> Any:
-        return await self._client._unary(method, request, self._state.model, timeout)
+        return await self._client._unary(method, request, self._state.model, timeout, self._state.key)
 
     def generate(
         self, history: HistoryLike, *, timeout: float | None = None, **overrides: Any
@@ -231,10 +237,9 @@ class AsyncSession:
         client = self._client
         deadline = client._base.deadline(timeout)
         progress = _base.StreamProgress()
+        metadata = client._base.metadata(self._state.model, self._state.key)
         while True:
-            call = client._stubs.sessions.Generate(
-                request, metadata=client._base.metadata(self._state.model), timeout=deadline.remaining()
-            )
+            call = client._stubs.sessions.Generate(request, metadata=metadata, timeout=deadline.remaining())
             try:
                 async for pb in call:
                     chunk = _base.chunk_from_proto(pb)

@@ -87,15 +87,21 @@ def trace_metadata() -> list[tuple[str, str]]:
     return [(key.lower(), value) for key, value in carrier.items()]
 
 
-def call_metadata(application: str | None, token: str | None) -> tuple[tuple[str, str], ...]:
+def call_metadata(
+    application: str | None, token: str | None, session_key: str | None = None
+) -> tuple[tuple[str, str], ...]:
     """The metadata of one call.
 
     ``application`` is how Ray Serve's gRPC proxy picks the app, and each model is its own
-    app named after the model; the bearer token and trace context ride along.
+    app named after the model. A session's calls send its routing key as ``session_id``, which
+    the proxy hands to the session-affinity router, so the router never decodes a request (a
+    4 MiB history) to find it. The bearer token and trace context ride along.
     """
     md: list[tuple[str, str]] = []
     if application:
         md.append(("application", application))
+    if session_key:
+        md.append(("session_id", session_key))
     if token:
         md.append(("authorization", f"Bearer {token}"))
     md.extend(trace_metadata())
@@ -362,8 +368,8 @@ class BaseClient:
         self.credentials = channel_credentials(tls, root_certificates)
         self.options = list(options)
 
-    def metadata(self, application: str | None) -> tuple[tuple[str, str], ...]:
-        return call_metadata(application, self._token)
+    def metadata(self, application: str | None, session_key: str | None = None) -> tuple[tuple[str, str], ...]:
+        return call_metadata(application, self._token, session_key)
 
     def deadline(self, timeout: float | None) -> Deadline:
         """A per-call ``timeout`` wins over the client's default."""
@@ -386,6 +392,11 @@ class SessionState:
     model: str
     settings: Settings
     closed: bool = False
+
+    @property
+    def key(self) -> str:
+        """The routing key: the id's part before the first dot (sent as ``session_id`` metadata)."""
+        return self.id.split(".", 1)[0]
 
     def apply(self, pb: session_pb2.Session, sent: Settings) -> None:
         """Adopt the settings the server reports (every field filled in), else what we sent."""

@@ -85,14 +85,20 @@ class Client:
     # -- plumbing ---------------------------------------------------------------------
 
     def _unary(
-        self, method: Callable[..., Any], request: Any, application: str | None, timeout: float | None
+        self,
+        method: Callable[..., Any],
+        request: Any,
+        application: str | None,
+        timeout: float | None,
+        session_key: str | None = None,
     ) -> Any:
         """One unary call, retried once after a replica failure, errors translated."""
         deadline = self._base.deadline(timeout)
         attempt = 1
         while True:
             try:
-                return method(request, metadata=self._base.metadata(application), timeout=deadline.remaining())
+                metadata = self._base.metadata(application, session_key)
+                return method(request, metadata=metadata, timeout=deadline.remaining())
             except grpc.RpcError as exc:
                 if not _base.should_retry_unary(exc, attempt):
                     raise from_rpc_error(exc) from exc
@@ -180,7 +186,7 @@ class Model:
         client = self._client
         settings = settings or Settings()
         request = _base.create_session_request(self.name, settings, _base.new_session_key())
-        pb = client._unary(client._stubs.sessions.CreateSession, request, self.name, timeout)
+        pb = client._unary(client._stubs.sessions.CreateSession, request, self.name, timeout, request.session_key)
         state = _base.SessionState(id=pb.id, model=self.name, settings=settings)
         state.apply(pb, settings)
         return Session(client, state)
@@ -212,7 +218,7 @@ class Session:
         return self._state.settings
 
     def _call(self, method: Callable[..., Any], request: Any, timeout: float | None) -> Any:
-        return self._client._unary(method, request, self._state.model, timeout)
+        return self._client._unary(method, request, self._state.model, timeout, self._state.key)
 
     def generate(
         self, history: HistoryLike, *, timeout: float | None = None, **overrides: Any
@@ -232,10 +238,9 @@ class Session:
         client = self._client
         deadline = client._base.deadline(timeout)
         progress = _base.StreamProgress()
+        metadata = client._base.metadata(self._state.model, self._state.key)
         while True:
-            call = client._stubs.sessions.Generate(
-                request, metadata=client._base.metadata(self._state.model), timeout=deadline.remaining()
-            )
+            call = client._stubs.sessions.Generate(request, metadata=metadata, timeout=deadline.remaining())
             try:
                 for pb in call:
                     chunk = _base.chunk_from_proto(pb)

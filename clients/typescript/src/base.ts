@@ -34,6 +34,11 @@ import {
 
 // --------------------------------------------------------------------------- routing
 
+/** The routing key of a session id: its part before the first dot. */
+export function routingKey(sessionId: string): string {
+  return sessionId.split(".", 1)[0] ?? sessionId;
+}
+
 /** Ray Serve's own RPC on its gRPC proxy; it needs no `application` metadata. */
 export const LIST_APPLICATIONS_METHOD = "/ray.serve.RayServeAPIService/ListApplications";
 
@@ -71,11 +76,18 @@ export function decodeApplicationNames(data: Uint8Array): string[] {
  * The metadata of one call.
  *
  * `application` is how Ray Serve's gRPC proxy picks the app, and each model is its own app
- * named after the model; the bearer token rides along.
+ * named after the model. A session's calls send its routing key as `session_id`, which the
+ * proxy hands to the session-affinity router (so the router never decodes a request to find
+ * it). The bearer token rides along.
  */
-export function callMetadata(application: string | undefined, token: string | undefined): Metadata {
+export function callMetadata(
+  application: string | undefined,
+  token: string | undefined,
+  sessionKey?: string,
+): Metadata {
   const md = new Metadata();
   if (application) md.set("application", application);
+  if (sessionKey) md.set("session_id", sessionKey);
   if (token) md.set("authorization", `Bearer ${token}`);
   return md;
 }

@@ -132,8 +132,8 @@ export class Transport {
     this.lazy = undefined;
   }
 
-  metadata(application: string | undefined): grpc.Metadata {
-    return base.callMetadata(application, this.options.token);
+  metadata(application: string | undefined, sessionKey?: string): grpc.Metadata {
+    return base.callMetadata(application, this.options.token, sessionKey);
   }
 
   /** The call's absolute deadline (ms since the epoch); a call's `timeoutMs` wins. */
@@ -154,6 +154,7 @@ export class Transport {
     application: string | undefined,
     deadline: number,
     signal: AbortSignal | undefined,
+    sessionKey: string | undefined,
   ): Promise<Res> {
     return new Promise<Res>((resolve, reject) => {
       if (signal?.aborted) {
@@ -165,7 +166,7 @@ export class Transport {
         method.requestSerialize,
         method.responseDeserialize,
         request,
-        this.metadata(application),
+        this.metadata(application, sessionKey),
         { deadline },
         (err, response) => {
           signal?.removeEventListener("abort", onAbort);
@@ -184,11 +185,12 @@ export class Transport {
     request: Req,
     application: string | undefined,
     options: CallOptions,
+    sessionKey?: string,
   ): Promise<Res> {
     const deadline = this.deadline(options.timeoutMs);
     for (let attempt = 1; ; attempt++) {
       try {
-        return await this.unaryOnce(method, request, application, deadline, options.signal);
+        return await this.unaryOnce(method, request, application, deadline, options.signal, sessionKey);
       } catch (err) {
         if (options.signal?.aborted || !base.shouldRetryUnary(err, attempt)) throw this.error(err, options.signal);
       }
@@ -209,7 +211,7 @@ export class Transport {
         method.requestSerialize,
         method.responseDeserialize,
         request,
-        this.metadata(application),
+        this.metadata(application, base.routingKey(request.sessionId)),
         { deadline },
       );
       // The status also reaches the loop below; this keeps a late one (after an early
@@ -335,7 +337,13 @@ export class Model {
   async newSession(options: NewSessionOptions = {}): Promise<Session> {
     const settings = base.cleanSettings(options.settings ?? {});
     const request = base.createSessionRequest(this.name, settings, base.newSessionKey());
-    const pb = await this.#transport.unary(SessionServiceService.createSession, request, this.name, options);
+    const pb = await this.#transport.unary(
+      SessionServiceService.createSession,
+      request,
+      this.name,
+      options,
+      request.sessionKey,
+    );
     const state = new base.SessionState(pb.id, this.name, settings);
     state.apply(pb, settings);
     return new Session(this.#transport, state);
@@ -387,7 +395,7 @@ export class Session {
   }
 
   #call<Req, Res>(method: UnaryMethod<Req, Res>, request: Req, options: CallOptions): Promise<Res> {
-    return this.#transport.unary(method, request, this.#state.model, options);
+    return this.#transport.unary(method, request, this.#state.model, options, base.routingKey(this.#state.id));
   }
 
   /**

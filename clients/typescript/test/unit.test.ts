@@ -197,6 +197,9 @@ describe("client against a scripted in-process server", () => {
     assert.equal(last?.finishReason, "length");
     assert.equal(last?.usage?.cachedTokens, 4);
     assert.equal(last?.servedBy?.replica, "r0");
+    // The routing key rides as `session_id` metadata, for the session-affinity router.
+    assert.equal(fake.of("CreateSession")[0]?.metadata["session_id"], create.sessionKey);
+    assert.equal(fake.of("Generate")[0]?.metadata["session_id"], session.id.split(".")[0]);
 
     const gen = fake.of("Generate")[0];
     const request = gen?.request as pbs.GenerateRequest;
