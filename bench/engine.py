@@ -1,7 +1,15 @@
 #!/usr/bin/env python3
-"""Engine benchmark: the figures of the engine issue, side by side, in one run.
+"""Engine benchmark: the figures of the engine issues, side by side, in one run.
 
-1. raw ``llama_cpp.Llama`` single-stream decode tokens/s (the baseline)
+0. the primitive: llama.cpp's low-level batched loop (one ``llama_decode`` per step for n
+   sequences, greedy, no penalty) vs the engine at 1/2/4/8 sessions with identical settings
+   and a fixed reply length; the ratio engine / primitive (target >= 0.95 at every width)
+0b. repeat penalty on (with and without the exact top-k prefilter) vs off, 8 sessions
+0c. KV layout (unified / per-session streams, full-size SWA cache or not) and KV types
+    (f16, q8_0) at 8 sessions x ~1,000-token contexts: tok/s, KV MiB per session, greedy
+    agreement with the default
+0d. a hot follow-up's TTFT while a 4,000-token cold prompt prefills, vs alone
+1. raw ``llama_cpp.Llama`` single-stream decode tokens/s (the high-level baseline)
 2. engine single-stream decode tokens/s
 3. engine aggregate tokens/s with 1, 2, 4, 8 concurrent sessions
 4. follow-up time to first token with a ~1,500-token history: hot session vs cold
@@ -50,6 +58,173 @@ def raw_llama_decode_isolated(tokens: int, threads: int) -> float:
         text=True,
     )
     return float(out.stdout.strip().splitlines()[-1])
+
+
+FIXED_PROMPT = "Count slowly from one to five hundred, one number per line, in words: one, two, three,"
+WIDTHS = (1, 2, 4, 8)
+
+
+def primitive_isolated(tokens: int, threads: int, width: int) -> float:
+    """The primitive at one width, in its own process, right before the engine row it is compared to."""
+    out = subprocess.run(
+        [sys.executable, __file__, "--primitive-only", str(width), "--tokens", str(tokens), "--threads", str(threads)],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+    return float(out.stdout.strip().splitlines()[-1])
+
+
+def primitive(path: Path, tokens: int, threads: int, widths: tuple[int, ...] = WIDTHS) -> dict[int, float]:
+    """llama.cpp's low-level batched loop: n sequences, one token each per llama_decode, greedy.
+
+    The same context shape, template and prompts as the engine rows; decode tokens/s counted
+    from each sequence's first sampled token, as the engine's timings do.
+    """
+    import llama_cpp as ll
+
+    from hotloop_serve.engine.model import Model
+
+    model = Model(path, repack=False)
+    engine_tokens = None
+    results: dict[int, float] = {}
+    for n in widths:
+        params = ll.llama_context_default_params()
+        params.n_ctx, params.n_batch, params.n_ubatch, params.n_seq_max = 16384, 512, 512, 8
+        params.n_threads = params.n_threads_batch = threads
+        params.kv_unified, params.swa_full, params.no_perf = True, True, True
+        params.flash_attn_type = ll.LLAMA_FLASH_ATTN_TYPE_ENABLED
+        ctx = ll.llama_init_from_model(model.ptr, params)
+        batch = ll.llama_batch_init(512, 0, 1)
+        samplers = []
+        last = []
+        for seq in range(n):
+            text = f"<start_of_turn>user\n{FIXED_PROMPT} (list {seq})<end_of_turn>\n<start_of_turn>model\n"
+            engine_tokens = [model.bos, *model.tokenize(text)]
+            for i, t in enumerate(engine_tokens):
+                batch.token[i], batch.pos[i], batch.n_seq_id[i], batch.logits[i] = t, i, 1, i == len(engine_tokens) - 1
+                batch.seq_id[i][0] = seq
+            batch.n_tokens = len(engine_tokens)
+            assert ll.llama_decode(ctx, batch) == 0
+            chain = ll.llama_sampler_chain_init(ll.llama_sampler_chain_default_params())
+            ll.llama_sampler_chain_add(chain, ll.llama_sampler_init_greedy())
+            samplers.append(chain)
+            last.append((ll.llama_sampler_sample(chain, ctx, batch.n_tokens - 1), len(engine_tokens)))
+        t0 = time.perf_counter()
+        for _ in range(tokens - 1):
+            for seq, (tok, pos) in enumerate(last):
+                batch.token[seq], batch.pos[seq], batch.n_seq_id[seq], batch.logits[seq] = tok, pos, 1, True
+                batch.seq_id[seq][0] = seq
+            batch.n_tokens = n
+            assert ll.llama_decode(ctx, batch) == 0
+            last = [(ll.llama_sampler_sample(samplers[seq], ctx, seq), pos + 1) for seq, (_, pos) in enumerate(last)]
+        results[n] = n * (tokens - 1) / (time.perf_counter() - t0)
+        for chain in samplers:
+            ll.llama_sampler_free(chain)
+        ll.llama_batch_free(batch)
+        ll.llama_free(ctx)
+    model.close()
+    return results
+
+
+def fixed_run(engine: Engine, n: int, tokens: int, settings: SamplingSettings, tag: str) -> tuple[float, list[str]]:
+    """n sessions at once, prompts prefilled first; aggregate decode tokens/s and the texts."""
+    prompts = [[ChatMessage("user", f"{FIXED_PROMPT} (list {i})")] for i in range(n)]
+    for i, p in enumerate(prompts):
+        engine.warmup(f"{tag}{n}-{i}", "bench", p).result()
+    streams = [engine.generate(f"{tag}{n}-{i}", "bench", p, settings) for i, p in enumerate(prompts)]
+    results = [st.result() for st in streams]
+    total = sum(r.usage.completion_tokens - 1 for r in results if r.usage)
+    span = max((r.timings.decode_ms for r in results if r.timings), default=1.0) / 1e3
+    return total / span, [r.text for r in results]
+
+
+def engine_vs_primitive(path: Path, tokens: int, threads: int) -> list[dict[str, Any]]:
+    rows = []
+    greedy = SamplingSettings(temperature=0, sample_len=tokens, repeat_penalty=1.0)
+    with Engine(str(path), EngineOptions(threads=threads, context_tokens=16384)) as engine:
+        for n in WIDTHS:
+            prim = primitive_isolated(tokens, threads, n)
+            rows.append(row(f"0. primitive batched loop, {n} seq", prim, "tok/s"))
+            got, _ = fixed_run(engine, n, tokens, greedy, "fixed")
+            rows.append(row(f"0. engine, {n} sessions (vs primitive)", got, "tok/s", prim, ">= 0.95x"))
+        off, _ = fixed_run(engine, 8, tokens, greedy, "pen-off")
+        rows.append(row("0b. 8 sessions, repeat penalty off", off, "tok/s"))
+        penalty = greedy.merged(repeat_penalty=1.1, repeat_last_n=64)
+        on, _ = fixed_run(engine, 8, tokens, penalty, "pen-on")
+        rows.append(row("0b. 8 sessions, penalty 1.1, top-k prefilter (vs off)", on, "tok/s", off))
+        from hotloop_serve.engine import sampling
+
+        real = sampling.prefilter_k
+        sampling.prefilter_k = lambda s: 0
+        try:
+            full, _ = fixed_run(engine, 8, tokens, penalty, "pen-full")
+        finally:
+            sampling.prefilter_k = real
+        rows.append(row("0b. 8 sessions, penalty 1.1 over the full vocab (vs off)", full, "tok/s", off))
+    return rows
+
+
+def layouts(path: Path, tokens: int, threads: int) -> list[dict[str, Any]]:
+    """8 sessions holding ~1,000-token contexts, decoding together, per KV layout and type."""
+    rows = []
+    greedy = SamplingSettings(temperature=0, sample_len=tokens, repeat_penalty=1.0)
+    history = [ChatMessage("user", LONG_TEXT[: len(LONG_TEXT) * 2 // 3] + f"\n{FIXED_PROMPT}")]
+    variants = [
+        ("unified, full SWA cache, f16 (default)", {}),
+        ("per-session streams, windowed SWA, f16", {"kv_layout": "per_session", "swa_full": False}),
+        ("per-session streams, full SWA cache, f16", {"kv_layout": "per_session"}),
+        ("unified, full SWA cache, K/V q8_0", {"kv_type_k": "q8_0", "kv_type_v": "q8_0"}),
+    ]
+    reference: list[str] = []
+    base = 0.0
+    for label, extra in variants:
+        opts = EngineOptions(threads=threads, context_tokens=16384, hot_sessions=8, **extra)  # type: ignore[arg-type]
+        with Engine(str(path), opts) as e:
+            msgs = [[*history[:-1], ChatMessage("user", history[-1].content + f" (list {i})")] for i in range(8)]
+            for i, m in enumerate(msgs):
+                e.warmup(f"l{i}", "bench", m).result()
+            streams = [e.generate(f"l{i}", "bench", m, greedy) for i, m in enumerate(msgs)]
+            res = [s.result() for s in streams]
+            total = sum(r.usage.completion_tokens - 1 for r in res if r.usage)
+            speed = total / (max(r.timings.decode_ms for r in res if r.timings) / 1e3)
+            ctx_tokens = e.session_info("l0", "bench").context_tokens
+            e.generate("evict-probe", "other", [ChatMessage("user", "x")], greedy.merged(sample_len=1)).result()
+            texts = [r.text for r in res]
+            kv_mib = e.kv.memory.save(e.kv.hot[min(e.kv.hot)].seq) if e.kv.hot else None  # type: ignore[arg-type]
+        if not reference:
+            reference, base = texts, speed
+        agree = sum(a == b for a, b in zip(texts, reference, strict=True)) / len(texts)
+        rows.append(row(f"0c. {label}", speed, "tok/s", base if base != speed else None))
+        size = len(kv_mib) / 2**20 if kv_mib is not None else 0.0
+        print(f"|   {'  KV MiB/session at ' + str(ctx_tokens) + ' tok; replies equal to default':<50} | "
+              f"{size:>8.1f} MiB  | {agree:>6.0%}  |          |")  # fmt: skip
+    return rows
+
+
+def ttft_during_cold_prefill(path: Path, threads: int) -> list[dict[str, Any]]:
+    s = SamplingSettings(temperature=0, sample_len=4, repeat_penalty=1.0)
+    cold_history = [ChatMessage("user", (LONG_TEXT + " ") * 3 + "Summarise.")]
+    with Engine(str(path), EngineOptions(threads=threads, context_tokens=16384)) as e:
+        hist = long_history()[:2]
+        first = e.generate("hot", "bench", hist, s).result()
+        follow = [*hist, ChatMessage("assistant", first.text), ChatMessage("user", "And then?")]
+        alone = e.generate("hot", "bench", follow, s).result()
+        follow = [*follow, ChatMessage("assistant", alone.text), ChatMessage("user", "More?")]
+        cold = e.generate("cold", "other", cold_history, s)
+        time.sleep(0.2)  # the cold prompt is prefilling
+        during = e.generate("hot", "bench", follow, s).result()
+        c = cold.result()
+    assert alone.timings and during.timings and c.usage
+    return [
+        row("0d. hot follow-up TTFT alone", alone.timings.time_to_first_token_ms, "ms"),
+        row(
+            f"0d. same, while a {c.usage.prompt_tokens}-token cold prompt prefills",
+            during.timings.time_to_first_token_ms,
+            "ms",
+            alone.timings.time_to_first_token_ms,
+        ),
+    ]
 
 
 def raw_llama_decode(path: Path, tokens: int, threads: int) -> float:
@@ -190,16 +365,25 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--raw-only", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--primitive-only", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--only-new", action="store_true", help="only the rows 0-0d (engine vs primitive, options)")
     ap.add_argument("--json", type=Path, default=Path(__file__).parent / "results" / "engine.json")
     ns = ap.parse_args()
     path = embedded_model_path(progress=True)
     if ns.raw_only:
         print(raw_llama_decode(path, ns.tokens, ns.threads))
         return 0
+    if ns.primitive_only:
+        print(primitive(path, ns.tokens, ns.threads, (ns.primitive_only,))[ns.primitive_only])
+        return 0
     print(f"model {path.name}, {ns.threads} threads, {ns.tokens} tokens per reply\n")
     print(f"| {'figure':<52} | {'value':>17} | {'ratio':>7} | {'target':<8} |")
     print(f"|{'-' * 54}|{'-' * 19}|{'-' * 9}|{'-' * 10}|")
-    rows = []
+    rows = engine_vs_primitive(path, ns.tokens, ns.threads)
+    rows += layouts(path, 64, ns.threads)
+    rows += ttft_during_cold_prefill(path, ns.threads)
+    if ns.only_new:
+        return _write(ns, rows)
     raw = raw_llama_decode_isolated(ns.tokens, ns.threads)
     rows.append(row("1. raw llama_cpp.Llama single stream (baseline)", raw, "tok/s"))
     with Engine(str(path), EngineOptions(threads=ns.threads, context_tokens=32768)) as engine:
@@ -222,6 +406,10 @@ def main() -> int:
     off, on = telemetry_overhead(path, ns.tokens, ns.threads)
     rows.append(row("7. servicer single stream, telemetry off", off, "tok/s"))
     rows.append(row("7. servicer single stream, telemetry on (SDK)", on, "tok/s", off))
+    return _write(ns, rows)
+
+
+def _write(ns: argparse.Namespace, rows: list[dict[str, Any]]) -> int:
     ns.json.parent.mkdir(parents=True, exist_ok=True)
     ns.json.write_text(json.dumps({"threads": ns.threads, "tokens": ns.tokens, "rows": rows}, indent=2))
     print(f"\nwrote {ns.json}")
@@ -230,4 +418,3 @@ def main() -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
-

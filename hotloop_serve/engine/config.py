@@ -50,7 +50,8 @@ class EngineOptions:
     """``unified``: one pool of ``context_tokens`` cells shared by all hot sessions (any session may
     grow to ``session_context_tokens``). ``per_session``: each hot session gets its own stream of
     ``context_tokens / hot_sessions`` cells (faster attention at many sessions; that is then
-    also the per-session cap). See bench/engine.py for the measured trade-off."""
+    also the per-session cap, and shared prefixes are not copied between sessions: llama.cpp
+    copies across streams only whole). See bench/engine.py for the measured trade-off."""
     swa_full: bool = True
     """Keep a full-size cache for sliding-window layers (Gemma 3), so a cache can be cut at any
     turn without a rebuild. Off: smaller and faster, but an edited turn older than the window

@@ -295,6 +295,8 @@ class KVManager:
         """Copy the longest cached prefix of ``prompt`` (at most ``limit`` tokens) from another hot
         session of the same owner into ``s`` (empty); the tokens copied."""
         assert s.seq is not None and not s.tokens
+        if not self.pooled:
+            return 0  # llama.cpp copies between per-sequence streams only whole (it aborts on a prefix)
         best: Session | None = None
         best_n = 0
         for other in self.hot.values():

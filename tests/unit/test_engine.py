@@ -362,3 +362,15 @@ def test_every_setting_is_bounded_before_anything_is_allocated(engine: Engine) -
         with pytest.raises(InvalidArgument, match=message):
             engine.generate("s", "a", history(), GREEDY.merged(**{field: huge}))
     assert engine.stats().active_requests == 0
+
+
+def test_per_session_layout_serves_shared_prefixes_without_copying(tiny_model: Path) -> None:
+    opts = EngineOptions(context_tokens=4096, session_context_tokens=1024, hot_sessions=4, kv_layout="per_session")
+    system = M("system", "A long shared system prompt. " * 8)
+    with Engine(str(tiny_model), opts) as e:
+        assert e.session_context == 1024
+        first = e.generate("first", "alice", [system, M("user", "two")], GREEDY).result()
+        settle(e)
+        second = e.generate("second", "alice", [system, M("user", "two")], GREEDY).result()
+    assert second.usage is not None and second.usage.cached_tokens == 0
+    assert second.text == first.text
