@@ -155,7 +155,7 @@ def expected_settings_error(values: dict[str, Any]) -> bool:
         or bad_float("min_p", lambda v: 0 <= v < 1)
         or ("sample_len" in values and not 1 <= values["sample_len"] <= MAX_SAMPLE_LEN)
         or values.get("top_k", 0) < 0
-        or values.get("repeat_last_n", 0) < 0
+        or not 0 <= values.get("repeat_last_n", 0) <= WINDOW  # at most the session's context
         or len(stop) > 8
         or any(not s or len(s) > 256 for s in stop)
     )
