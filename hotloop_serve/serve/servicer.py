@@ -23,6 +23,7 @@ from hotloop.v1 import session_pb2 as spb
 
 from hotloop_serve.config import Config, ModelConfig
 from hotloop_serve.engine.engine import Engine
+from hotloop_serve.engine.stream import RequestStream
 from hotloop_serve.errors import NotFound, ResourceExhausted
 from hotloop_serve.serve import convert
 from hotloop_serve.serve.auth import Authenticator
@@ -74,6 +75,26 @@ def unary(empty: type[_Reply]) -> Callable[[_Handler[_Request, _Reply]], _Rpc[_R
         return rpc
 
     return decorate
+
+
+async def _submit(submit: Callable[[], RequestStream]) -> RequestStream:
+    """Submit a request to the engine off the event loop, orphaning nothing.
+
+    A client's cancel or deadline can arrive while the submission is still running in its
+    thread; the request then gets cancelled as soon as it exists, instead of running for a
+    caller that left.
+    """
+    task = asyncio.ensure_future(asyncio.to_thread(submit))
+    try:
+        return await asyncio.shield(task)
+    except asyncio.CancelledError:
+        task.add_done_callback(_cancel_submitted)
+        raise
+
+
+def _cancel_submitted(task: asyncio.Future[RequestStream]) -> None:
+    if not task.cancelled() and task.exception() is None:
+        task.result().cancel()
 
 
 def _metadata(grpc_context: Any) -> list[tuple[str, Any]]:
@@ -254,8 +275,12 @@ class ModelServicer:
         hit = self.engine.known(sid)
         messages = convert.messages_from_proto(request.messages, self.model.limits.max_messages)
         settings = self._turn_settings(request.settings, sid, principal)
-        stream = await asyncio.to_thread(self.engine.warmup, sid, principal, messages, settings)
-        final = await stream.aresult()
+        stream = await _submit(functools.partial(self.engine.warmup, sid, principal, messages, settings))
+        try:
+            final = await stream.aresult()
+        except asyncio.CancelledError:  # the caller left: stop prefilling for nobody
+            stream.cancel()
+            raise
         assert final.usage is not None
         by = pb.ServedBy()
         by.CopyFrom(self.served_by)
@@ -286,7 +311,7 @@ class ModelServicer:
                 messages = convert.messages_from_proto(request.messages, self.model.limits.max_messages)
                 settings = self._turn_settings(request.settings, sid, principal)
                 t0 = time.perf_counter()
-                stream = await asyncio.to_thread(self.engine.generate, sid, principal, messages, settings)
+                stream = await _submit(functools.partial(self.engine.generate, sid, principal, messages, settings))
                 first = True
                 async for chunk in stream:
                     if first:

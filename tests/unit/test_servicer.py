@@ -11,7 +11,7 @@ from typing import Any
 
 import grpc
 import pytest
-from hotloop.v1 import session_pb2
+from hotloop.v1 import common_pb2, session_pb2
 
 from hotloop_serve.config import Config
 from hotloop_serve.errors import InvalidArgument
@@ -71,6 +71,21 @@ class FakeEngine:
 
     def close_session(self, sid: str, principal: str) -> None:
         pass
+
+    def generate(self, sid: str, principal: str, messages: Any, settings: Any) -> FakeStream:
+        """A submission that takes a while (the scheduler's inbox is busy, say)."""
+        self.entered.set()
+        self.release.wait(5)
+        self.stream = FakeStream()
+        return self.stream
+
+
+class FakeStream:
+    def __init__(self) -> None:
+        self.cancelled = threading.Event()
+
+    def cancel(self) -> None:
+        self.cancelled.set()
 
 
 def servicer(tokens: dict[str, str] | None = None) -> tuple[ModelServicer, FakeEngine, SessionIds]:
@@ -135,6 +150,28 @@ def test_a_client_cancel_is_re_raised_not_reported_as_internal() -> None:
 
     asyncio.run(cancel_mid_call())
     assert ctx.code is None
+
+
+def test_a_cancel_while_submitting_cancels_the_request_once_it_exists() -> None:
+    s, engine, ids = servicer()
+    hello = [common_pb2.Message(role=common_pb2.ROLE_USER, content="hi")]
+    request = session_pb2.GenerateRequest(session_id=ids.new(ANONYMOUS, "key-12345"), messages=hello)
+
+    async def cancel_during_submit() -> None:
+        stream = s.Generate(request, Context())
+        task = asyncio.ensure_future(stream.__anext__())
+        await asyncio.to_thread(engine.entered.wait, 5)  # submission in progress, in its thread
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        engine.release.set()  # the submission completes after the caller left (the loop runs on)
+        for _ in range(100):
+            if getattr(engine, "stream", None) is not None and engine.stream.cancelled.is_set():
+                return
+            await asyncio.sleep(0.05)
+
+    asyncio.run(cancel_during_submit())
+    assert engine.stream.cancelled.is_set()  # not orphaned
 
 
 def test_unary_replies_pass_through() -> None:
