@@ -76,8 +76,19 @@ class ModelReplica(ModelServicer):
         return dataclasses.asdict(self.engine.stats())
 
     def record_replica_metadata(self) -> dict[str, Any]:
-        """Published to the routers: the rank is what session affinity hashes on."""
+        """Published to the routers once, at start: the rank is what session affinity hashes on."""
         return {"rank": self._rank}
+
+    def record_routing_stats(self) -> dict[str, Any]:
+        """Polled by Ray and handed to the routers: the current rank (it may be reassigned)."""
+        return {"rank": self._rank}
+
+    def reconfigure(self, user_config: Any, rank: Any = None) -> None:
+        """Ray's hook; with a ``rank`` parameter it also reports rank reassignments (after a
+        downscale), which this replica then serves under and publishes."""
+        if rank is not None and getattr(rank, "rank", None) is not None:
+            self._rank = int(rank.rank)
+            self.served_by.replica_rank = self._rank
 
     def check_health(self) -> None:
         """Ray restarts a replica whose engine died."""

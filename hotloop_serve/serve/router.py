@@ -16,7 +16,9 @@ Algorithm (rendezvous / highest-random-weight hashing over replica *ranks*):
    for a slot or fails; ``app.max_ongoing_requests`` keeps slots free for them.
 3. Ranks, not replica ids: a replacement replica inherits the dead one's rank, so exactly the
    dead replica's sessions move, and move back. Adding a replica takes about 1/N of the keys
-   from the others; removing one moves only its own keys.
+   from the others; removing one moves only its own keys. A rank Ray reassigns after a
+   downscale reaches the routers through the replica's routing stats; two replicas claiming
+   one rank meanwhile are told apart deterministically (:func:`replica_names`).
 4. Requests with no key (ListModels, health, a CreateSession without a key) go to all replicas
    in one tier: Ray picks the least loaded of two (power of two choices), spreading new work.
 
@@ -73,10 +75,29 @@ def request_key(pending_request: PendingRequest | None) -> str | None:
 
 
 def replica_rank(replica: RunningReplica) -> str:
-    """The replica's rank as published by the deployment (falls back to its id while unknown)."""
-    meta = replica.replica_metadata
-    rank = meta.get("rank") if meta else None
-    return str(rank) if rank is not None else replica.replica_id.unique_id
+    """The replica's rank as it publishes it (falls back to its id while unknown).
+
+    Its routing stats (polled by Ray) win over its metadata (captured once at start): after a
+    downscale Ray may reassign ranks, and tells the replica through ``reconfigure``.
+    """
+    for published in (replica.routing_stats, replica.replica_metadata):
+        rank = published.get("rank") if published else None
+        if rank is not None:
+            return str(rank)
+    return str(replica.replica_id.unique_id)
+
+
+def replica_names(replicas: list[RunningReplica]) -> list[str]:
+    """What each candidate is hashed as: its rank, never the same for two replicas.
+
+    While a reassignment is being reported, two replicas may claim one rank: the one with the
+    smaller replica id keeps it and the other is hashed on its id, the same way in every router.
+    """
+    names = [replica_rank(r) for r in replicas]
+    holder: dict[str, int] = {}
+    for i in sorted(range(len(replicas)), key=lambda i: str(replicas[i].replica_id.unique_id)):
+        holder.setdefault(names[i], i)
+    return [name if holder[name] == i else str(replicas[i].replica_id.unique_id) for i, name in enumerate(names)]
 
 
 def rendezvous_order(key: str, ranks: list[str]) -> list[int]:
@@ -100,7 +121,7 @@ class SessionAffinityRouter(RequestRouter):  # type: ignore[misc]
         key = request_key(pending_request)
         if key is None or len(candidate_replicas) <= 1:
             return [candidate_replicas]
-        order = rendezvous_order(key, [replica_rank(r) for r in candidate_replicas])
+        order = rendezvous_order(key, replica_names(candidate_replicas))
         tiers = [[candidate_replicas[i]] for i in order]
         method = getattr(getattr(pending_request, "metadata", None), "call_method", "")
         return tiers if method in SPILLS else tiers[:1]

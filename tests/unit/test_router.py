@@ -21,7 +21,7 @@ from ray.serve._private.common import (
 )
 from ray.serve.request_router import PendingRequest
 
-from hotloop_serve.serve.router import MAX_DECODED_BYTES, SessionAffinityRouter
+from hotloop_serve.serve.router import MAX_DECODED_BYTES, SessionAffinityRouter, replica_names
 from hotloop_serve.serve.session_ids import SessionIds
 
 DEPLOYMENT = DeploymentID(name="ModelDeployment", app_name="gemma-3-270m")
@@ -34,12 +34,16 @@ class FakeReplica:
 
     unique_id: str
     rank: int | None
+    reported_rank: int | None = None
+    """The rank in its routing stats (polled by Ray), once Ray reassigned it."""
     replica_id: ReplicaID = field(init=False)
     replica_metadata: dict[str, Any] = field(init=False)
+    routing_stats: dict[str, Any] = field(init=False)
 
     def __post_init__(self) -> None:
         self.replica_id = ReplicaID(unique_id=self.unique_id, deployment_id=DEPLOYMENT)
         self.replica_metadata = {} if self.rank is None else {"rank": self.rank}
+        self.routing_stats = {} if self.reported_rank is None else {"rank": self.reported_rank}
 
 
 def replicas(n: int, prefix: str = "r") -> list[FakeReplica]:
@@ -212,3 +216,25 @@ def test_no_tasks_are_left_behind(router: SessionAffinityRouter, loop: asyncio.A
     for i in range(20):
         choose(router, pool, pending(session_pb2.GetSessionRequest(session_id=f"k{i:07d}.s")))
     assert asyncio.all_tasks(loop) == set()
+
+
+def test_a_reassigned_rank_wins_over_the_one_published_at_start(router: SessionAffinityRouter) -> None:
+    # After a downscale Ray may renumber ranks; the replica reports its new one in its routing
+    # stats, while its start-up metadata is frozen. Routing follows the report.
+    before = [FakeReplica("r0", 0), FakeReplica("r2", 2)]
+    after = [FakeReplica("r0", 0), FakeReplica("r2", 2, reported_rank=1)]
+    renamed = [FakeReplica("r0", 0), FakeReplica("r2", 1)]
+    requests = [pending(session_pb2.GenerateRequest(session_id=IDS.new("a", f"rerank-{i:03d}"))) for i in range(40)]
+    assert [choose(router, after, r) for r in requests] == [choose(router, renamed, r) for r in requests]
+    assert [choose(router, after, r) for r in requests] != [choose(router, before, r) for r in requests]
+
+
+def test_two_replicas_claiming_one_rank_are_told_apart_deterministically(router: SessionAffinityRouter) -> None:
+    # A stale report during a reassignment: both say rank 0. The smaller id keeps it, in any order.
+    pool = [FakeReplica("b-replica", 0), FakeReplica("a-replica", 1, reported_rank=0), FakeReplica("c-replica", 2)]
+    assert replica_names(pool) == ["b-replica", "0", "2"]  # type: ignore[arg-type]
+    assert replica_names(pool[::-1]) == ["2", "0", "b-replica"]  # type: ignore[arg-type]
+    requests = [pending(session_pb2.GenerateRequest(session_id=IDS.new("a", f"tie-key-{i:03d}"))) for i in range(30)]
+    for request in requests:
+        owners = {choose(router, order, request)[0][0] for order in (pool, pool[::-1], pool[1:] + pool[:1])}
+        assert len(owners) == 1
