@@ -40,6 +40,7 @@ from hotloop_client import (
     Unauthenticated,
     Unavailable,
 )
+from hotloop_client._base import DEFAULT_UNARY_TIMEOUT_S, MAX_ATTEMPTS, MAX_RETRY_DELAY_S, BaseClient, backoff
 
 MODEL = "gemma-3-270m"
 ACTOR_DIED = "ray.exceptions.ActorDiedError: The actor died unexpectedly before finishing this task."
@@ -306,15 +307,15 @@ def test_generate_retries_once_before_any_text(
     assert first.request == second.request
 
 
-def test_generate_gives_up_after_one_retry(client: Client, fake: tuple[str, Recorder]) -> None:
+def test_generate_gives_up_after_max_attempts(client: Client, fake: tuple[str, Recorder]) -> None:
     rec = fake[1]
     session = client.model(MODEL).new_session()
     down = [("abort", (grpc.StatusCode.UNAVAILABLE, "no replica"))]
-    rec.scripts = [down, down]
+    rec.scripts = [down] * MAX_ATTEMPTS
     with pytest.raises(Unavailable) as info:
         list(session.generate(HISTORY))
     assert not isinstance(info.value, TurnInterrupted)
-    assert len(rec.of("Generate")) == 2
+    assert len(rec.of("Generate")) == MAX_ATTEMPTS
 
 
 def test_generate_does_not_retry_a_plain_internal_error(client: Client, fake: tuple[str, Recorder]) -> None:
@@ -360,16 +361,33 @@ def test_timeout_is_a_grpc_deadline(client: Client, fake: tuple[str, Recorder]) 
     assert rec.cancelled.wait(2)
 
 
-def test_unary_calls_retry_once_on_failover(client: Client, fake: tuple[str, Recorder]) -> None:
+def test_unary_calls_retry_on_failover_up_to_max_attempts(client: Client, fake: tuple[str, Recorder]) -> None:
     rec = fake[1]
     session = client.model(MODEL).new_session()
-    rec.failures["GetSession"] = [(grpc.StatusCode.INTERNAL, ACTOR_DIED)]
+    rec.failures["GetSession"] = [(grpc.StatusCode.INTERNAL, ACTOR_DIED), (grpc.StatusCode.UNAVAILABLE, "restarting")]
     assert session.context() == 123
-    assert len(rec.of("GetSession")) == 2
-    rec.failures["GetSession"] = [(grpc.StatusCode.UNAVAILABLE, "down")] * 2
+    assert len(rec.of("GetSession")) == 3
+    rec.failures["GetSession"] = [(grpc.StatusCode.UNAVAILABLE, "down")] * MAX_ATTEMPTS
     with pytest.raises(Unavailable):
         session.context()
-    assert len(rec.of("GetSession")) == 4
+    assert len(rec.of("GetSession")) == 3 + MAX_ATTEMPTS
+
+
+def test_backoff_doubles_with_jitter_up_to_a_cap() -> None:
+    lows = [backoff(0.2, a, rng=lambda: 0.0) for a in range(1, 8)]
+    highs = [backoff(0.2, a, rng=lambda: 1.0) for a in range(1, 8)]
+    assert highs[:5] == pytest.approx([0.2, 0.4, 0.8, 1.6, 3.2]) and highs[5:] == [MAX_RETRY_DELAY_S] * 2
+    assert lows == pytest.approx([h / 2 for h in highs])  # half fixed, half random
+    # The default schedule covers a proxy or replica restart of a few seconds, and no more.
+    assert sum(lows[: MAX_ATTEMPTS - 1]) >= 3.0 and sum(highs[: MAX_ATTEMPTS - 1]) <= 6.5
+
+
+def test_unary_calls_get_a_default_deadline() -> None:
+    base = BaseClient("h:1")
+    remaining = base.deadline(None, unary=True).remaining()
+    assert remaining is not None and DEFAULT_UNARY_TIMEOUT_S - 1 < remaining <= DEFAULT_UNARY_TIMEOUT_S
+    assert base.deadline(None).remaining() is None  # a stream: a reply may be long
+    assert BaseClient("h:1", timeout=5).deadline(None, unary=True).remaining() == pytest.approx(5, abs=0.5)
 
 
 @pytest.mark.parametrize(

@@ -46,11 +46,11 @@ class AsyncClient:
     ``address`` is ``host:port``. ``token`` is sent as ``authorization: Bearer``; ``tls`` or
     ``root_certificates`` (PEM bytes) switch to TLS. ``timeout`` is the default deadline, in
     seconds, of every call, including a whole streamed reply; each method's ``timeout=``
-    overrides it. ``retry_delay`` is the pause before the one automatic retry after a
-    replica failure. Use as a context manager (``with Client(...)``, ``async with
-    AsyncClient(...)``), or call :meth:`close`. The channel opens on the first call (so an
-    ``AsyncClient`` may be constructed outside the event loop); after :meth:`close`, a
-    further call opens a new one.
+    overrides it, and a unary call with neither gets 30 s. A failover (a replica or the proxy
+    restarting) is retried up to five times, after ``retry_delay`` seconds, then doubling,
+    jittered. Use as a context manager (``with Client(...)``, ``async with AsyncClient(...)``),
+    or call :meth:`close`. The channel opens on the first call (so an ``AsyncClient`` may be
+    constructed outside the event loop); after :meth:`close`, a further call opens a new one.
     """
 
     def __init__(
@@ -61,7 +61,7 @@ class AsyncClient:
         tls: bool = False,
         root_certificates: bytes | None = None,
         timeout: float | None = None,
-        retry_delay: float = 0.1,
+        retry_delay: float = 0.2,
         options: Sequence[tuple[str, Any]] = (),
     ) -> None:
         self._base = _base.BaseClient(
@@ -91,8 +91,8 @@ class AsyncClient:
         timeout: float | None,
         session_key: str | None = None,
     ) -> Any:
-        """One unary call, retried once after a replica failure, errors translated."""
-        deadline = self._base.deadline(timeout)
+        """One unary call, retried with backoff after a failover, errors translated."""
+        deadline = self._base.deadline(timeout, unary=True)
         attempt = 1
         while True:
             try:
@@ -101,8 +101,8 @@ class AsyncClient:
             except grpc.RpcError as exc:
                 if not _base.should_retry_unary(exc, attempt):
                     raise from_rpc_error(exc) from exc
+            await asyncio.sleep(self._base.backoff(attempt))
             attempt += 1
-            await asyncio.sleep(self._base.retry_delay)
 
     # -- public API -------------------------------------------------------------------
 
@@ -225,7 +225,7 @@ class AsyncSession:
         """Stream the reply to ``history`` (``Message``s or ``(role, content)`` pairs).
 
         Keyword ``overrides`` (e.g. ``temperature=0``) apply to this turn only. If the
-        replica fails before any text arrived the request is re-sent once; after text
+        replica fails before any text arrived the request is re-sent (with backoff); after text
         arrived, :class:`TurnInterrupted` carries the partial text. Leaving the loop early
         (``break``, closing the generator, Ctrl-C, cancelling the task iterating it) cancels
         the call on the server.
@@ -253,7 +253,7 @@ class AsyncSession:
                 # No-op once the call finished; otherwise (break, close, cancel, error) it
                 # frees the server's slot at once instead of generating into the void.
                 call.cancel()
-            await asyncio.sleep(client._base.retry_delay)
+            await asyncio.sleep(client._base.backoff(progress.attempts - 1))
 
     async def warmup(self, history: HistoryLike, *, timeout: float | None = None) -> Usage:
         """Prefill ``history`` (e.g. a system prompt) into the cache without generating."""

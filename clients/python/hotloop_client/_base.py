@@ -13,10 +13,11 @@ they call the stubs; the wire contract lives here once so the twins cannot drift
 
 from __future__ import annotations
 
+import random
 import re
 import secrets
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -110,9 +111,23 @@ def call_metadata(
 
 # --------------------------------------------------------------------------- retries
 
-MAX_ATTEMPTS = 2
-"""One try plus one automatic retry: enough to step over a dead replica without hiding an
-outage behind a retry loop."""
+MAX_ATTEMPTS = 6
+"""One try and up to five retries of a failover (a replica or Ray's proxy restarting), spaced
+by :func:`backoff`: about 3 to 6 s of retrying in all at the default ``retry_delay``, the time
+a replica or the proxy takes to come back; a longer outage is reported, not hidden."""
+MAX_RETRY_DELAY_S = 3.2
+"""The longest pause between two attempts."""
+DEFAULT_UNARY_TIMEOUT_S = 30.0
+"""The deadline of a unary call (retries included) when neither the call nor the client sets
+one: a server that stopped answering fails the call instead of hanging it."""
+
+
+def backoff(retry_delay: float, attempt: int, rng: Callable[[], float] = random.random) -> float:
+    """The pause after failed attempt ``attempt`` (1, 2, ...): ``retry_delay`` doubled per
+    attempt, capped at :data:`MAX_RETRY_DELAY_S`, half of it random (equal jitter), so clients
+    cut off by the same restart do not all come back at the same instant."""
+    full = min(MAX_RETRY_DELAY_S, retry_delay * 2.0 ** (attempt - 1))
+    return full / 2 + rng() * full / 2
 
 _ACTOR_DIED_MARKERS = ("actor died", "actordiederror", "rayactorerror", "replica")
 
@@ -183,7 +198,7 @@ class StreamProgress:
 
 
 def should_retry_unary(exc: BaseException, attempt: int) -> bool:
-    """Unary RPCs are idempotent, so a failover error is retried once."""
+    """Unary RPCs are idempotent, so a failover error is retried (up to MAX_ATTEMPTS attempts)."""
     return attempt < MAX_ATTEMPTS and is_failover(*status_of(exc))
 
 
@@ -356,7 +371,7 @@ class BaseClient:
         tls: bool = False,
         root_certificates: bytes | None = None,
         timeout: float | None = None,
-        retry_delay: float = 0.1,
+        retry_delay: float = 0.2,
         options: Sequence[tuple[str, Any]] = (),
     ) -> None:
         if not address:
@@ -371,9 +386,17 @@ class BaseClient:
     def metadata(self, application: str | None, session_key: str | None = None) -> tuple[tuple[str, str], ...]:
         return call_metadata(application, self._token, session_key)
 
-    def deadline(self, timeout: float | None) -> Deadline:
-        """A per-call ``timeout`` wins over the client's default."""
-        return Deadline(timeout if timeout is not None else self.timeout)
+    def deadline(self, timeout: float | None, *, unary: bool = False) -> Deadline:
+        """A per-call ``timeout`` wins over the client's default; a unary call with neither gets
+        :data:`DEFAULT_UNARY_TIMEOUT_S` (a stream has no default: a reply may be long)."""
+        chosen = timeout if timeout is not None else self.timeout
+        if chosen is None and unary:
+            chosen = DEFAULT_UNARY_TIMEOUT_S
+        return Deadline(chosen)
+
+    def backoff(self, attempt: int) -> float:
+        """The pause after failed attempt ``attempt`` (see :func:`backoff`)."""
+        return backoff(self.retry_delay, attempt)
 
     def describe(self) -> str:
         """``host:port (tls|plaintext)``, for the twins' reprs."""

@@ -47,11 +47,11 @@ class Client:
     ``address`` is ``host:port``. ``token`` is sent as ``authorization: Bearer``; ``tls`` or
     ``root_certificates`` (PEM bytes) switch to TLS. ``timeout`` is the default deadline, in
     seconds, of every call, including a whole streamed reply; each method's ``timeout=``
-    overrides it. ``retry_delay`` is the pause before the one automatic retry after a
-    replica failure. Use as a context manager (``with Client(...)``, ``async with
-    AsyncClient(...)``), or call :meth:`close`. The channel opens on the first call (so an
-    ``AsyncClient`` may be constructed outside the event loop); after :meth:`close`, a
-    further call opens a new one.
+    overrides it, and a unary call with neither gets 30 s. A failover (a replica or the proxy
+    restarting) is retried up to five times, after ``retry_delay`` seconds, then doubling,
+    jittered. Use as a context manager (``with Client(...)``, ``async with AsyncClient(...)``),
+    or call :meth:`close`. The channel opens on the first call (so an ``AsyncClient`` may be
+    constructed outside the event loop); after :meth:`close`, a further call opens a new one.
     """
 
     def __init__(
@@ -62,7 +62,7 @@ class Client:
         tls: bool = False,
         root_certificates: bytes | None = None,
         timeout: float | None = None,
-        retry_delay: float = 0.1,
+        retry_delay: float = 0.2,
         options: Sequence[tuple[str, Any]] = (),
     ) -> None:
         self._base = _base.BaseClient(
@@ -92,8 +92,8 @@ class Client:
         timeout: float | None,
         session_key: str | None = None,
     ) -> Any:
-        """One unary call, retried once after a replica failure, errors translated."""
-        deadline = self._base.deadline(timeout)
+        """One unary call, retried with backoff after a failover, errors translated."""
+        deadline = self._base.deadline(timeout, unary=True)
         attempt = 1
         while True:
             try:
@@ -102,8 +102,8 @@ class Client:
             except grpc.RpcError as exc:
                 if not _base.should_retry_unary(exc, attempt):
                     raise from_rpc_error(exc) from exc
+            time.sleep(self._base.backoff(attempt))
             attempt += 1
-            time.sleep(self._base.retry_delay)
 
     # -- public API -------------------------------------------------------------------
 
@@ -226,7 +226,7 @@ class Session:
         """Stream the reply to ``history`` (``Message``s or ``(role, content)`` pairs).
 
         Keyword ``overrides`` (e.g. ``temperature=0``) apply to this turn only. If the
-        replica fails before any text arrived the request is re-sent once; after text
+        replica fails before any text arrived the request is re-sent (with backoff); after text
         arrived, :class:`TurnInterrupted` carries the partial text. Leaving the loop early
         (``break``, closing the generator, Ctrl-C, cancelling the task iterating it) cancels
         the call on the server.
@@ -254,7 +254,7 @@ class Session:
                 # No-op once the call finished; otherwise (break, close, cancel, error) it
                 # frees the server's slot at once instead of generating into the void.
                 call.cancel()
-            time.sleep(client._base.retry_delay)
+            time.sleep(client._base.backoff(progress.attempts - 1))
 
     def warmup(self, history: HistoryLike, *, timeout: float | None = None) -> Usage:
         """Prefill ``history`` (e.g. a system prompt) into the cache without generating."""

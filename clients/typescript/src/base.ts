@@ -94,9 +94,27 @@ export function callMetadata(
 
 // --------------------------------------------------------------------------- retries
 
-/** One try plus one automatic retry: enough to step over a dead replica without hiding an
- * outage behind a retry loop. */
-export const MAX_ATTEMPTS = 2;
+/** One try and up to five retries of a failover (a replica or Ray's proxy restarting), spaced
+ * by `backoffMs`: about 3 to 6 s of retrying in all at the default `retryDelayMs`, the time a
+ * replica or the proxy takes to come back; a longer outage is reported, not hidden. */
+export const MAX_ATTEMPTS = 6;
+
+/** The longest pause between two attempts. */
+export const MAX_RETRY_DELAY_MS = 3200;
+
+/** The deadline of a unary call (retries included) when neither the call nor the client sets
+ * one: a server that stopped answering fails the call instead of hanging it. */
+export const DEFAULT_UNARY_TIMEOUT_MS = 30_000;
+
+/**
+ * The pause after failed attempt `attempt` (1, 2, ...): `retryDelayMs` doubled per attempt,
+ * capped at `MAX_RETRY_DELAY_MS`, half of it random (equal jitter), so clients cut off by the
+ * same restart do not all come back at the same instant.
+ */
+export function backoffMs(retryDelayMs: number, attempt: number, random: () => number = Math.random): number {
+  const full = Math.min(MAX_RETRY_DELAY_MS, retryDelayMs * 2 ** (attempt - 1));
+  return full / 2 + (random() * full) / 2;
+}
 
 const ACTOR_DIED_MARKERS = ["actor died", "actordiederror", "rayactorerror", "replica"];
 
@@ -116,7 +134,7 @@ export function isFailover(code: Status, details: string): boolean {
   return false;
 }
 
-/** Unary RPCs are idempotent, so a failover error is retried once. */
+/** Unary RPCs are idempotent, so a failover error is retried (up to `MAX_ATTEMPTS` attempts). */
 export function shouldRetryUnary(err: unknown, attempt: number): boolean {
   return attempt < MAX_ATTEMPTS && isStatusError(err) && isFailover(...statusOf(err));
 }

@@ -31,7 +31,8 @@ export interface ClientOptions {
   rootCertificates?: Buffer;
   /** Default deadline of every call, in milliseconds (a call's own `timeoutMs` wins). */
   timeoutMs?: number;
-  /** Pause before the one automatic retry after a replica failure (default 100 ms). */
+  /** First pause of the automatic retries after a failover (default 200 ms; then doubling,
+   * jittered, up to five retries). */
   retryDelayMs?: number;
   /** grpc-js channel options (`grpc.max_receive_message_length`, ...). */
   channelOptions?: grpc.ChannelOptions;
@@ -114,7 +115,7 @@ export class Transport {
   ) {
     if (!address) throw new TypeError("address must be host:port");
     this.credentials = channelCredentials(options);
-    this.retryDelayMs = options.retryDelayMs ?? 100;
+    this.retryDelayMs = options.retryDelayMs ?? 200;
   }
 
   /** The grpc-js client (one channel), made on first use and again after `close()`. */
@@ -137,8 +138,8 @@ export class Transport {
   }
 
   /** The call's absolute deadline (ms since the epoch); a call's `timeoutMs` wins. */
-  deadline(timeoutMs: number | undefined): number {
-    const ms = timeoutMs ?? this.options.timeoutMs;
+  deadline(timeoutMs: number | undefined, unary = false): number {
+    const ms = timeoutMs ?? this.options.timeoutMs ?? (unary ? base.DEFAULT_UNARY_TIMEOUT_MS : undefined);
     return ms === undefined ? Infinity : Date.now() + ms;
   }
 
@@ -179,7 +180,7 @@ export class Transport {
     });
   }
 
-  /** One unary call, retried once after a replica failure, errors translated. */
+  /** One unary call, retried with backoff after a failover, errors translated. */
   async unary<Req, Res>(
     method: UnaryMethod<Req, Res>,
     request: Req,
@@ -187,18 +188,18 @@ export class Transport {
     options: CallOptions,
     sessionKey?: string,
   ): Promise<Res> {
-    const deadline = this.deadline(options.timeoutMs);
+    const deadline = this.deadline(options.timeoutMs, true);
     for (let attempt = 1; ; attempt++) {
       try {
         return await this.unaryOnce(method, request, application, deadline, options.signal, sessionKey);
       } catch (err) {
         if (options.signal?.aborted || !base.shouldRetryUnary(err, attempt)) throw this.error(err, options.signal);
       }
-      await sleep(this.retryDelayMs, options.signal);
+      await sleep(base.backoffMs(this.retryDelayMs, attempt), options.signal);
     }
   }
 
-  /** A Generate stream: retried once before any text, `TurnInterrupted` after. */
+  /** A Generate stream: retried with backoff before any text, `TurnInterrupted` after. */
   async *generate(request: pbs.GenerateRequest, application: string, options: CallOptions): AsyncGenerator<Chunk> {
     const { signal } = options;
     const deadline = this.deadline(options.timeoutMs);
@@ -236,7 +237,7 @@ export class Transport {
         // or error; a no-op once the stream has ended.
         call.cancel();
       }
-      await sleep(this.retryDelayMs, signal);
+      await sleep(base.backoffMs(this.retryDelayMs, progress.attempts - 1), signal);
     }
   }
 }

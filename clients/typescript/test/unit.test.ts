@@ -243,7 +243,7 @@ describe("client against a scripted in-process server", () => {
     assert.equal(fake.calls.length, 0);
   });
 
-  test("a stream failing with UNAVAILABLE before any text is retried once", async () => {
+  test("a stream failing with UNAVAILABLE before any text is retried", async () => {
     const session = await client.model("alpha").newSession();
     fake.generateScripts = [{ fail: { code: Status.UNAVAILABLE, details: "replica gone" } }];
     const chunks = await collect(session.generate([["user", "hi"]]));
@@ -263,15 +263,22 @@ describe("client against a scripted in-process server", () => {
     assert.equal(fake.of("Generate").length, 1);
   });
 
-  test("only one retry: a second failure surfaces as Unavailable", async () => {
+  test("at most MAX_ATTEMPTS attempts: then the failure surfaces as Unavailable", async () => {
     const session = await client.model("alpha").newSession();
     const fail = { code: Status.UNAVAILABLE, details: "down" };
-    fake.generateScripts = [{ fail }, { fail }, { fail }];
+    fake.generateScripts = Array.from({ length: base.MAX_ATTEMPTS + 1 }, () => ({ fail }));
     await assert.rejects(
       collect(session.generate([["user", "hi"]])),
       (err: unknown) => err instanceof Unavailable && !(err instanceof TurnInterrupted),
     );
-    assert.equal(fake.of("Generate").length, 2);
+    assert.equal(fake.of("Generate").length, base.MAX_ATTEMPTS);
+  });
+
+  test("retries back off: doubling from retryDelayMs, half jittered, capped", () => {
+    const low = [1, 2, 3, 4, 5, 6, 7].map((a) => base.backoffMs(200, a, () => 0));
+    const high = [1, 2, 3, 4, 5, 6, 7].map((a) => base.backoffMs(200, a, () => 1));
+    assert.deepEqual(high, [200, 400, 800, 1600, 3200, 3200, 3200]);
+    assert.deepEqual(low, [100, 200, 400, 800, 1600, 1600, 1600]);
   });
 
   test("a failure after text was delivered is TurnInterrupted with the partial text", async () => {
@@ -295,7 +302,7 @@ describe("client against a scripted in-process server", () => {
     assert.equal(fake.of("Generate").length, 1);
   });
 
-  test("unary calls: failover retried once, other errors typed", async () => {
+  test("unary calls: failover retried, other errors typed", async () => {
     fake.unaryFailures = [{ code: Status.UNAVAILABLE, details: "blip" }];
     const session = await client.model("alpha").newSession();
     assert.equal(fake.of("CreateSession").length, 2);
@@ -360,7 +367,7 @@ describe("client against a scripted in-process server", () => {
     await assert.rejects(collect(session.generate([["user", "hi"]], { timeoutMs: 200 })), DeadlineExceeded);
   });
 
-  test("an unreachable server is Unavailable after one retry", async () => {
+  test("an unreachable server is Unavailable after the retries", async () => {
     const dead = new Client("127.0.0.1:1", { retryDelayMs: 1 });
     try {
       await assert.rejects(dead.listModels({ timeoutMs: 5000 }), Unavailable);
