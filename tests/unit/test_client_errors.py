@@ -29,7 +29,7 @@ from hotloop_client import (
     Unavailable,
     _errors,
 )
-from hotloop_client._base import StreamProgress, is_failover, should_retry_unary
+from hotloop_client._base import MAX_ATTEMPTS, StreamProgress, is_failover, should_retry_unary
 from hotloop_client._errors import error_for_status, from_rpc_error
 
 EXPECTED = {
@@ -136,10 +136,10 @@ def test_which_failures_fail_over(code: grpc.StatusCode, details: str, expected:
     assert is_failover(code, details) is expected
 
 
-def test_unary_retry_happens_once() -> None:
+def test_unary_retry_stops_at_max_attempts() -> None:
     exc = FakeRpcError(grpc.StatusCode.UNAVAILABLE, "")
-    assert should_retry_unary(exc, attempt=1)
-    assert not should_retry_unary(exc, attempt=2)
+    assert all(should_retry_unary(exc, attempt=a) for a in range(1, MAX_ATTEMPTS))
+    assert not should_retry_unary(exc, attempt=MAX_ATTEMPTS)
     assert not should_retry_unary(FakeRpcError(grpc.StatusCode.INVALID_ARGUMENT, ""), attempt=1)
 
 
@@ -147,8 +147,9 @@ def test_stream_progress_retries_only_before_text() -> None:
     down = FakeRpcError(grpc.StatusCode.UNAVAILABLE, "down")
     progress = StreamProgress()
     progress.delivered(Chunk(text=""))  # an empty chunk shows the caller nothing
-    assert progress.should_retry(down)
-    assert not progress.should_retry(down)  # once only
+    for _ in range(MAX_ATTEMPTS - 1):
+        assert progress.should_retry(down)
+    assert not progress.should_retry(down)  # MAX_ATTEMPTS attempts in all
     assert type(progress.error(down)) is Unavailable
 
     progress = StreamProgress()
