@@ -61,6 +61,11 @@ class EngineOptions:
     kv_type_v: str = "f16"
     """Data type of cached values: f16, q8_0 or q4_0 (quantized values need flash attention,
     which is then turned on)."""
+    persist_dir: str = ""
+    """A directory (a volume) where sessions dropped from host RAM, and hot ones at a graceful
+    shutdown, are kept so they survive restarts; empty = no disk tier."""
+    persist_bytes: int = 8 * GiB
+    """Disk budget of ``persist_dir``; past it the least recently used files are deleted."""
     idle_ttl_s: float = 3600.0
     """A session untouched this long is forgotten."""
     seed: int = 0
@@ -80,6 +85,7 @@ class EngineOptions:
             "threads": self.threads >= 0,
             "gpu_layers": self.gpu_layers >= -1,
             "idle_ttl_s": self.idle_ttl_s > 0,
+            "persist_bytes": self.persist_bytes >= 0,
             "kv_layout": self.kv_layout in ("unified", "per_session"),
             "kv_type_k": self.kv_type_k in KV_TYPES,
             "kv_type_v": self.kv_type_v in KV_TYPES,

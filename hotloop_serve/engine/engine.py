@@ -35,14 +35,16 @@ from hotloop_serve.engine.chat_template import ChatMessage, ChatTemplate, builti
 from hotloop_serve.engine.config import EngineOptions
 from hotloop_serve.engine.kv import KVManager, LlamaKVMemory, common_prefix
 from hotloop_serve.engine.model import Model
+from hotloop_serve.engine.persist import DiskStore, SessionBlob, model_fingerprint, to_kv_bytes
 from hotloop_serve.engine.requests import Request, RequestKind, RequestState
 from hotloop_serve.engine.sampling import Sampler
 from hotloop_serve.engine.scheduler import BatchPlan, Scheduler
-from hotloop_serve.engine.session import Session, SessionPhase, SessionRegistry
+from hotloop_serve.engine.session import KVBytes, Session, SessionPhase, SessionRegistry
 from hotloop_serve.engine.settings import SamplingSettings
 from hotloop_serve.engine.stream import Chunk, RequestStream, Timings
 from hotloop_serve.errors import (
     Cancelled,
+    FailedPrecondition,
     HotloopError,
     InternalError,
     InvalidArgument,
@@ -66,6 +68,8 @@ class SessionInfo:
     settings: SamplingSettings
     context_tokens: int
     state: str
+    last_used: float = 0.0
+    """Wall-clock time (Unix seconds) of the session's last request."""
 
 
 @dataclass(frozen=True)
@@ -87,6 +91,10 @@ class EngineStats:
     restores: int = 0
     drops: int = 0
     window_resets: int = 0
+    forks: int = 0
+    disk_files: int = 0
+    disk_bytes: int = 0
+    disk_restores: int = 0
 
 
 class Engine:
@@ -123,6 +131,10 @@ class Engine:
         self._bos_text = self.model.token_text(self.model.bos)
         self.defaults.validate(self.max_sample_len, self.session_context, self.model.n_vocab)
 
+        self.fingerprint = model_fingerprint(model_path)
+        """Identifies the model in exported and persisted caches (they mean nothing to another model)."""
+        self.disk = DiskStore(opts.persist_dir, opts.persist_bytes, self.fingerprint) if opts.persist_dir else None
+        self._writer = concurrent.futures.ThreadPoolExecutor(1, "hotloop-persist") if self.disk else None
         self._ctx = self._create_context(opts)
         self._batch = ll.llama_batch_init(opts.batch_tokens, 0, 1)
         memory = LlamaKVMemory(self._ctx, self.model.ptr, probe_token=self.model.bos)
@@ -133,6 +145,7 @@ class Engine:
             evicted_bytes=opts.evicted_bytes,
             shared_prefix_min_tokens=opts.shared_prefix_min_tokens,
             pooled=opts.kv_layout == "unified",
+            spill=self._spill if self.disk else None,
         )
         self.scheduler = Scheduler(
             self.kv,
@@ -262,12 +275,104 @@ class Engine:
         """
         return self._submit(RequestKind.WARMUP, session_id, owner, messages, settings)
 
+    def fork_session(
+        self,
+        source_id: str,
+        owner: str,
+        new_id: str,
+        messages: Sequence[ChatMessage] | None = None,
+        settings: SamplingSettings | None = None,
+    ) -> SessionInfo:
+        """A new session starting with ``source_id``'s cache, whole or up to ``messages`` (a prefix of
+        its history): copied in KV memory, not prefilled again. Settings default to the source's."""
+        with self._lock:
+            self._check_alive()
+            src = self._sessions.owned(source_id, owner)
+            if self._sessions.get(new_id) is not None:
+                raise FailedPrecondition(f"session {new_id} already exists; fork into a new session id")
+            settings = settings or src.settings
+        self.validate(settings)
+        keep: list[int] | None = self.render(messages, add_generation_prompt=False) if messages else None
+        with self._lock:
+            dst, _ = self._sessions.get_or_create(new_id, owner, settings)
+
+        def fork() -> None:
+            n = len(src.tokens) if keep is None else common_prefix(src.tokens, keep)
+            self.kv.fork(src, dst, n, [r.session for r in self.scheduler.running])
+
+        self._call(fork)
+        return self.session_info(new_id, owner)
+
+    def list_sessions(self, owner: str) -> list[SessionInfo]:
+        """The sessions of ``owner`` on this engine, most recently used first."""
+        with self._lock:
+            mine = [self._info(s) for s in self._sessions.values() if s.owner == owner]
+        return sorted(mine, key=lambda i: i.last_used, reverse=True)
+
+    def export_session(self, session_id: str, owner: str) -> bytes:
+        """The session's cache as a portable blob (tokens, KV state, settings, model fingerprint)."""
+        with self._lock:
+            s = self._sessions.owned(session_id, owner)
+        tokens, data = self._call(lambda: self.kv.snapshot(s))
+        kv = bytes(data) if data is not None else b""
+        return SessionBlob(self.fingerprint, tokens if kv else [], s.settings, kv).encode()
+
+    def import_session(
+        self, session_id: str, owner: str, data: bytes, settings: SamplingSettings | None = None
+    ) -> SessionInfo:
+        """Create ``session_id`` from an exported blob, hot. Damaged data is INVALID_ARGUMENT and a
+        blob of another model FAILED_PRECONDITION; either way nothing of it stays behind."""
+        blob = SessionBlob.decode(data, self.fingerprint)
+        if any(not 0 <= t < self.model.n_vocab for t in blob.tokens):
+            raise InvalidArgument("session export holds tokens outside this model's vocabulary")
+        if len(blob.tokens) > self.session_context:
+            raise OutOfRange(
+                f"session export holds {len(blob.tokens)} tokens, over the window of {self.session_context}"
+            )
+        settings = settings or blob.settings
+        self.validate(settings)
+        with self._lock:
+            self._check_alive()
+            if self._sessions.get(session_id) is not None:
+                raise FailedPrecondition(f"session {session_id} already exists; import into a new session id")
+            s, _ = self._sessions.get_or_create(session_id, owner, settings)
+
+        def place() -> bool:
+            if not blob.kv:
+                return True
+            self.kv.adopt(s, blob.tokens, to_kv_bytes(blob.kv))
+            protect = [r.session for r in self.scheduler.running]
+            return self.kv.acquire(s, protect) and self.kv.restore(s, protect) == len(blob.tokens) > 0
+
+        if not self._call(place):
+            self._call(lambda: self._forget(s))
+            raise InvalidArgument("session export could not be loaded into the KV cache (its state is invalid)")
+        return self.session_info(session_id, owner)
+
     def stats(self) -> EngineStats:
         snap = self._stats
-        return replace(snap, sessions=len(self._sessions), active_requests=snap.active_requests + len(self._inbox))
+        files, size = self.disk.usage() if self.disk is not None else (0, 0)
+        return replace(
+            snap,
+            sessions=len(self._sessions),
+            active_requests=snap.active_requests + len(self._inbox),
+            disk_files=files,
+            disk_bytes=size,
+        )
 
     def close(self) -> None:
-        """Stop the scheduler (failing what is in flight) and free llama.cpp's memory."""
+        """Stop the scheduler (failing what is in flight) and free llama.cpp's memory.
+
+        With a disk tier, every cached session is written to it first, so a restarted server
+        resumes them from disk.
+        """
+        if self.disk is not None and self.alive:
+            try:
+                self._call(self._snapshot_all)
+            except HotloopError as e:
+                log.warning("could not snapshot sessions at shutdown: %s", e.message)
+        if self._writer is not None:
+            self._writer.shutdown(wait=True)
         with self._lock:
             if self._stopping:
                 return
@@ -329,6 +434,8 @@ class Engine:
                 if other.session is session:
                     other.cancel_requested = True
             req = Request(kind, session, prompt, settings, self._wake, order=next(self._order))
+            if self.disk is not None and session.phase in (SessionPhase.NEW, SessionPhase.DROPPED):
+                self._inbox_disk_load(req)
             if kind is RequestKind.GENERATE:
                 req.sampler = Sampler(settings, self.model.n_vocab, self._rng)
             session.pending += 1
@@ -382,12 +489,33 @@ class Engine:
 
     @staticmethod
     def _info(s: Session) -> SessionInfo:
-        state = s.phase.value if s.phase is not SessionPhase.CLOSED else "closed"
-        return SessionInfo(s.id, s.owner, s.settings, s.context_tokens, state)
+        last_used = time.time() - (time.monotonic() - s.last_used)
+        return SessionInfo(s.id, s.owner, s.settings, s.context_tokens, s.phase.value, last_used)
 
     def _wake(self) -> None:
         with self._lock:
             self._wakeup.notify()
+
+    def _inbox_disk_load(self, req: Request) -> None:
+        """Attach a persisted cache to a request of a session RAM does not hold (lock held; the
+        file is small next to a prefill, and read here, off the scheduler thread)."""
+        assert self.disk is not None
+        blob = self.disk.get(req.session.id, req.session.owner)
+        if blob is not None and blob.kv:
+            req.disk = (blob.tokens, to_kv_bytes(blob.kv))
+
+    def _spill(self, s: Session, tokens: list[int], data: KVBytes) -> None:
+        """Host RAM dropped an idle session: keep it on disk (written by a background thread)."""
+        assert self.disk is not None and self._writer is not None
+        blob = SessionBlob(self.fingerprint, tokens, s.settings, bytes(data), owner=s.owner)
+        s.disk = True
+        self._writer.submit(self.disk.put, s.id, blob)
+
+    def _snapshot_all(self) -> None:
+        for s in self._sessions.values():
+            tokens, data = self.kv.snapshot(s)
+            if data is not None and tokens:
+                self._spill(s, tokens, data)
 
     def _call(self, fn: Callable[[], T]) -> T:
         """Run ``fn`` on the scheduler thread (it owns KV memory) and wait for it."""
@@ -472,6 +600,8 @@ class Engine:
             restores=c["restores"],
             drops=c["drops"],
             window_resets=c["window_resets"],
+            forks=c["forks"],
+            disk_restores=c["disk_restores"],
         )
 
     def _housekeeping(self) -> None:
@@ -485,7 +615,7 @@ class Engine:
 
     def _expire(self, s: Session) -> None:
         if not s.busy and time.monotonic() - s.last_used > self.options.idle_ttl_s:
-            self._forget(s)
+            self._forget(s, keep_on_disk=True)  # the TTL frees memory; a persisted copy may still serve
 
     def _end_request(self, req: Request, state: RequestState, error: HotloopError | None) -> None:
         """The one way a request ends: its state, its resources, its stream's last item."""
@@ -516,9 +646,21 @@ class Engine:
         self._end_session_request(s, "cleared")
         if not s.closed:
             self.kv.clear(s)
+        self._delete_persisted(s)
 
-    def _forget(self, s: Session) -> None:
+    def _delete_persisted(self, s: Session) -> None:
+        if self.disk is not None and self._writer is not None:
+            self._writer.submit(self.disk.delete, s.id)  # queued after any write of it: ordered
+            s.disk = False
+
+    def _forget(self, s: Session, keep_on_disk: bool = False) -> None:
         self._end_session_request(s, "closed")
+        if keep_on_disk and self.disk is not None:
+            tokens, data = self.kv.snapshot(s)
+            if data is not None and tokens:
+                self._spill(s, tokens, data)
+        elif not keep_on_disk:
+            self._delete_persisted(s)
         self.kv.forget(s)
         with self._lock:
             self._sessions.remove(s)

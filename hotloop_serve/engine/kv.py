@@ -26,7 +26,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Protocol
 
 import llama_cpp as ll
@@ -155,8 +155,11 @@ class KVManager:
         evicted_bytes: int,
         shared_prefix_min_tokens: int,
         pooled: bool = True,
+        spill: Callable[[Session, list[int], KVBytes], None] | None = None,
     ) -> None:
         self.memory = memory
+        self.spill = spill
+        """Called with an idle session's tokens and KV when host RAM drops it (the disk tier)."""
         self.capacity = capacity_tokens
         """Cells all hot sessions share (unified layout); per-sequence layouts never contend."""
         self.pooled = pooled
@@ -165,7 +168,7 @@ class KVManager:
         self._free = list(range(sequences - 1, -1, -1))
         self.hot: dict[int, Session] = {}
         self.counters = {"evictions": 0, "drops": 0, "preemptions": 0, "restores": 0, "restore_failures": 0,
-                         "window_resets": 0}  # fmt: skip
+                         "window_resets": 0, "forks": 0, "disk_restores": 0}  # fmt: skip
 
     # -- reading --
     @property
@@ -228,7 +231,9 @@ class KVManager:
         if data is None:
             self._lose(s)
             return
-        for old in self.evicted.put(s, data, pinned=pinned):
+        for old, old_data in self.evicted.put(s, data, pinned=pinned):
+            if self.spill is not None and old.tokens:
+                self.spill(old, list(old.tokens), old_data)
             self._lose(old)
         if s.saved is data:
             s.phase = SessionPhase.EVICTED
@@ -315,6 +320,56 @@ class KVManager:
             return 0
         s.tokens = list(prompt[:best_n])
         return best_n
+
+    def adopt(self, s: Session, tokens: list[int], data: KVBytes) -> None:
+        """Take a cache from outside (disk, an import) as the session's evicted state, to restore next."""
+        self.evicted.take(s)
+        s.tokens = list(tokens)
+        for old, old_data in self.evicted.put(s, data, pinned=True):
+            if self.spill is not None and old.tokens:
+                self.spill(old, list(old.tokens), old_data)
+            self._lose(old)
+        self.evicted.unpin(s)
+        s.phase = SessionPhase.EVICTED
+
+    def snapshot(self, s: Session) -> tuple[list[int], KVBytes | None]:
+        """A copy of a session's cache as it is now: its tokens and llama.cpp state (None: no cache)."""
+        if s.phase is SessionPhase.HOT and s.tokens and s.seq is not None:
+            return list(s.tokens), self.memory.save(s.seq)
+        if s.phase is SessionPhase.EVICTED and s.saved is not None:
+            return list(s.tokens), s.saved
+        return [], None
+
+    def fork(self, src: Session, dst: Session, n: int, protect: Iterable[Session] = ()) -> int:
+        """Start ``dst`` (empty) with the first ``n`` cached tokens of ``src``; the tokens it got.
+
+        A hot source in the shared pool is copied cell by cell (``seq_cp``: no data moves);
+        otherwise its state is copied through llama.cpp's sequence serialization and cut.
+        """
+        n = min(n, len(src.tokens))
+        if n <= 0 or not self.acquire(dst, [src, *protect]):
+            return 0
+        assert dst.seq is not None
+        got = 0
+        if src.phase is SessionPhase.HOT and src.seq is not None and self.pooled and self.memory.partial_ok:
+            self.memory.seq_cp(src.seq, dst.seq, 0, n)
+            if self._window_intact(dst.seq, n):
+                dst.tokens = list(src.tokens[:n])
+                got = n
+            else:
+                self.counters["window_resets"] += 1
+                self.memory.seq_rm(dst.seq, -1, -1)
+        else:
+            tokens, data = self.snapshot(src)
+            if data is not None and self.make_room(len(tokens), [src, dst, *protect]):
+                if self.memory.restore(dst.seq, data):
+                    dst.tokens = tokens
+                    got = self.cut(dst, n)
+                else:
+                    self.memory.seq_rm(dst.seq, -1, -1)
+        if got:
+            self.counters["forks"] += 1
+        return got
 
     def discard_saved(self, s: Session) -> None:
         """Throw away a session's KV kept in RAM (its pre-empted request was cancelled)."""

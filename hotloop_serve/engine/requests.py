@@ -31,7 +31,7 @@ from hotloop_serve.engine.settings import SamplingSettings
 from hotloop_serve.engine.stream import RequestStream, Usage
 
 if TYPE_CHECKING:
-    from hotloop_serve.engine.session import Session
+    from hotloop_serve.engine.session import KVBytes, Session
 
 
 class RequestKind(enum.Enum):
@@ -82,6 +82,7 @@ class Request:
     __slots__ = (
         "assembler",
         "cancel_requested",
+        "disk",
         "generated",
         "kind",
         "last_token",
@@ -129,6 +130,8 @@ class Request:
         self.generated = 0
         self.last_token: int | None = None
         """The sampled token to decode next (DECODING, CACHING_TAIL)."""
+        self.disk: tuple[list[int], KVBytes] | None = None
+        """A persisted cache of the session (tokens, KV) to restore at admission, read off-thread."""
         self.resume_token: int | None = None
         """A pre-empted reply whose KV could not be restored re-prefills its tokens, then decodes this."""
         self.t_submit = time.perf_counter()

@@ -174,7 +174,14 @@ class Scheduler:
         s.pending -= 1
         req.t_admit = req.t_admit or time.perf_counter()
         protect = [r.session for r in self.running]
+        from_disk = req.disk is not None and not s.tokens and s.phase is SessionPhase.HOT
+        if from_disk:
+            assert req.disk is not None
+            self.kv.adopt(s, *req.disk)
+        req.disk = None
         restored = self.kv.restore(s, protect) if s.phase is SessionPhase.EVICTED else 0
+        if from_disk and restored:
+            self.kv.counters["disk_restores"] += 1
         prompt = req.prompt
         generate = req.kind is RequestKind.GENERATE
         reuse = common_prefix(s.tokens, prompt)

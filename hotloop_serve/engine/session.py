@@ -37,6 +37,7 @@ class Session:
     """One session inside one replica's engine."""
 
     __slots__ = (
+        "disk",
         "id",
         "last_used",
         "owner",
@@ -60,6 +61,8 @@ class Session:
         self.saved: KVBytes | None = None
         self.request: Request | None = None
         """The request holding the session (admitted, running or pre-empted)."""
+        self.disk = False
+        """A copy of its cache may be on disk (persistence): clearing or closing deletes it."""
         self.pending = 0
         """Requests submitted but not yet admitted: the TTL never forgets a session one of them needs."""
         self.last_used = time.monotonic()
@@ -93,25 +96,30 @@ class EvictedStore:
     def __len__(self) -> int:
         return len(self._lru)
 
-    def put(self, session: Session, data: KVBytes, pinned: bool = False) -> list[Session]:
-        """Keep ``data`` for ``session``; return the idle sessions dropped to make room."""
+    def put(self, session: Session, data: KVBytes, pinned: bool = False) -> list[tuple[Session, KVBytes]]:
+        """Keep ``data`` for ``session``; return the idle sessions dropped to make room, with their bytes."""
         if not pinned and len(data) > self.budget:
-            return [session]
+            return [(session, data)]
         session.saved = data
         self._lru[session.id] = session
         if pinned:
             self._pinned.add(session.id)
         self.bytes += len(data)
-        dropped: list[Session] = []
+        dropped: list[tuple[Session, KVBytes]] = []
         for sid in list(self._lru):
             if self.bytes <= self.budget:
                 break
             if sid in self._pinned:
                 continue
             old = self._lru.pop(sid)
+            old_data = old.saved
             self._forget_bytes(old)
-            dropped.append(old)
+            if old_data is not None:
+                dropped.append((old, old_data))
         return dropped
+
+    def unpin(self, session: Session) -> None:
+        self._pinned.discard(session.id)
 
     def take(self, session: Session) -> KVBytes | None:
         """Remove and return a session's saved bytes (to restore it, or because it is gone)."""

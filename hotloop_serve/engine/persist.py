@@ -1,0 +1,206 @@
+"""A session's cache outside the KV memory: one self-checking blob, and a directory of them.
+
+The blob (:class:`SessionBlob`) is what ``ExportSession`` streams out, ``ImportSession`` takes
+in, and the disk tier stores: the cached tokens, llama.cpp's state of the sequence, the
+session's settings, and the fingerprint of the model that computed it, closed by a SHA-256
+of everything before it. A blob from another model is refused (the KV of one model means
+nothing to another); a damaged one fails its checksum before llama.cpp ever reads it.
+
+The disk tier (:class:`DiskStore`) keeps sessions that would otherwise be lost: dropped from
+host RAM past its budget, or hot at a graceful shutdown. Files are written atomically (a
+temporary file renamed into place), named by a hash of the session id, bound to the owning
+principal (another principal's request never loads them) and kept under a byte budget,
+least recently used first. A file that cannot be read or verified is a cache miss: logged,
+deleted, never an error for the request.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import struct
+import tempfile
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from hotloop_serve.engine.session import KVBytes
+from hotloop_serve.engine.settings import SamplingSettings
+from hotloop_serve.errors import FailedPrecondition, InvalidArgument
+
+log = logging.getLogger(__name__)
+
+MAGIC = b"HOTLOOP-SESSION\x01"
+_DIGEST = 32
+MAX_BLOB_BYTES = 1 << 31
+
+
+def model_fingerprint(path: str | Path) -> str:
+    """Identifies a model file cheaply: its size and the SHA-256 of its first and last MiB.
+
+    The header (architecture, tensor shapes, tokenizer) and the tail of the weights differ
+    between any two models worth telling apart; hashing 250 MB to 40 GB on every start is not
+    worth the last bit of certainty.
+    """
+    p = Path(path)
+    size = p.stat().st_size
+    h = hashlib.sha256(str(size).encode())
+    with p.open("rb") as f:
+        h.update(f.read(1 << 20))
+        f.seek(max(0, size - (1 << 20)))
+        h.update(f.read(1 << 20))
+    return h.hexdigest()[:32]
+
+
+def settings_to_dict(s: SamplingSettings) -> dict[str, Any]:
+    d = dataclasses.asdict(s)
+    d["stop"] = list(s.stop)
+    return d
+
+
+def settings_from_dict(d: dict[str, Any]) -> SamplingSettings:
+    known = {f.name for f in dataclasses.fields(SamplingSettings)}
+    given = {k: v for k, v in d.items() if k in known}
+    given["stop"] = tuple(given.get("stop", ()))
+    return SamplingSettings(**given)
+
+
+@dataclass(frozen=True)
+class SessionBlob:
+    """A session's cache, portable between servers of the same model."""
+
+    fingerprint: str
+    tokens: list[int]
+    settings: SamplingSettings
+    kv: bytes
+    owner: str = ""
+    """Set on disk files only (the principal allowed to load them); exports carry none."""
+
+    def encode(self) -> bytes:
+        header = json.dumps(
+            {
+                "fingerprint": self.fingerprint,
+                "owner": self.owner,
+                "n_tokens": len(self.tokens),
+                "kv_bytes": len(self.kv),
+                "settings": settings_to_dict(self.settings),
+            }
+        ).encode()
+        body = b"".join(
+            (MAGIC, struct.pack("<I", len(header)), header, struct.pack(f"<{len(self.tokens)}i", *self.tokens), self.kv)
+        )
+        return body + hashlib.sha256(body).digest()
+
+    @classmethod
+    def decode(cls, data: bytes, fingerprint: str) -> SessionBlob:
+        """Parse and verify; InvalidArgument for damaged data, FailedPrecondition for another model's."""
+        if len(data) < len(MAGIC) + 4 + _DIGEST or not data.startswith(MAGIC):
+            raise InvalidArgument("not a hotloop session export (bad magic or too short)")
+        body, digest = data[:-_DIGEST], data[-_DIGEST:]
+        if hashlib.sha256(body).digest() != digest:
+            raise InvalidArgument("session export is damaged: its checksum does not match")
+        (hlen,) = struct.unpack_from("<I", body, len(MAGIC))
+        start = len(MAGIC) + 4
+        try:
+            header = json.loads(body[start : start + hlen])
+            n, kv_bytes = int(header["n_tokens"]), int(header["kv_bytes"])
+            settings = settings_from_dict(header["settings"])
+        except (ValueError, KeyError, TypeError) as e:
+            raise InvalidArgument(f"session export has a bad header: {e}") from None
+        if header["fingerprint"] != fingerprint:
+            raise FailedPrecondition(
+                "session export was made with another model (fingerprint mismatch); "
+                "import it into a server of that model"
+            )
+        pos = start + hlen
+        if n < 0 or kv_bytes < 0 or pos + 4 * n + kv_bytes != len(body):
+            raise InvalidArgument("session export is truncated or has trailing data")
+        tokens = list(struct.unpack_from(f"<{n}i", body, pos))
+        kv = body[pos + 4 * n :]
+        return cls(header["fingerprint"], tokens, settings, kv, str(header.get("owner", "")))
+
+
+def to_kv_bytes(data: bytes) -> KVBytes:
+    return (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
+
+
+class DiskStore:
+    """Session blobs in a directory, LRU within a byte budget. Thread-safe."""
+
+    def __init__(self, directory: str | Path, budget_bytes: int, fingerprint: str) -> None:
+        self.dir = Path(directory)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.budget = budget_bytes
+        self.fingerprint = fingerprint
+        self._lock = threading.Lock()
+
+    def _path(self, session_id: str) -> Path:
+        return self.dir / (hashlib.sha256(session_id.encode()).hexdigest()[:40] + ".session")
+
+    def put(self, session_id: str, blob: SessionBlob) -> bool:
+        """Write atomically; False (and nothing on disk) if it does not fit the budget."""
+        data = blob.encode()
+        if len(data) > self.budget:
+            return False
+        path = self._path(session_id)
+        with self._lock:
+            fd, tmp = tempfile.mkstemp(dir=self.dir, prefix=".tmp-", suffix=".session")
+            try:
+                with os.fdopen(fd, "wb") as f:
+                    f.write(data)
+                    f.flush()
+                    os.fsync(f.fileno())
+                os.replace(tmp, path)
+            except OSError as e:
+                log.warning("could not persist session to %s: %s", path, e)
+                Path(tmp).unlink(missing_ok=True)
+                return False
+            self._enforce_budget(keep=path)
+        return True
+
+    def get(self, session_id: str, owner: str) -> SessionBlob | None:
+        """The session's blob if it exists, verifies, and belongs to ``owner``; else None."""
+        path = self._path(session_id)
+        with self._lock:
+            try:
+                data = path.read_bytes()
+            except FileNotFoundError:
+                return None
+            except OSError as e:
+                log.warning("could not read persisted session %s: %s", path, e)
+                return None
+            try:
+                blob = SessionBlob.decode(data, self.fingerprint)
+            except (InvalidArgument, FailedPrecondition) as e:
+                log.warning("discarding persisted session %s: %s", path.name, e.message)
+                path.unlink(missing_ok=True)
+                return None
+            if blob.owner != owner:
+                return None  # another principal's session: as if there were none
+            os.utime(path)  # most recently used
+            return blob
+
+    def delete(self, session_id: str) -> None:
+        with self._lock:
+            self._path(session_id).unlink(missing_ok=True)
+
+    def usage(self) -> tuple[int, int]:
+        """(files, bytes) on disk."""
+        files = list(self.dir.glob("*.session"))
+        return len(files), sum(f.stat().st_size for f in files)
+
+    def _enforce_budget(self, keep: Path) -> None:
+        files = sorted(self.dir.glob("*.session"), key=lambda f: f.stat().st_mtime)
+        total = sum(f.stat().st_size for f in files)
+        for f in files:
+            if total <= self.budget:
+                break
+            if f == keep:
+                continue
+            total -= f.stat().st_size
+            f.unlink(missing_ok=True)
