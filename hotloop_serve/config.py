@@ -137,6 +137,10 @@ class AuthConfig(_Strict):
     """An environment variable holding ``principal:token`` pairs separated by commas."""
     session_secret_env: str | None = "HOTLOOP_SESSION_SECRET"
     """Environment variable with the key that signs session ids (generated at start if unset)."""
+    anonymous: Literal["local", "network"] = "local"
+    """With no token source, who may call without a token: ``local``, callers on this machine only
+    (Ray's gRPC proxy listens on every interface and has no host option), or ``network``, anyone
+    who can reach the port (only behind authentication of your own)."""
 
 
 class ServerConfig(_Strict):

@@ -55,7 +55,7 @@ def preflight(config: Config) -> list[str]:
     """What would make the replicas refuse to start, checked before deploying (``ValueError``
     with the reason); returns start-up facts worth printing (how auth is set up)."""
     session_secret(config)
-    return [describe_tokens(load_tokens(config.auth))]
+    return [describe_tokens(load_tokens(config.auth), config.auth.anonymous)]
 
 
 CONTROL_HEADROOM = 4

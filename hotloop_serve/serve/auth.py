@@ -14,6 +14,7 @@ are reported in the log.
 from __future__ import annotations
 
 import hmac
+import ipaddress
 import logging
 import os
 from collections.abc import Iterable, Mapping, Sequence
@@ -88,32 +89,61 @@ def load_tokens(cfg: AuthConfig) -> dict[str, tuple[str, ...]]:
     return {p: tuple(t) for p, t in tokens.items()}
 
 
-def describe_tokens(tokens: Mapping[str, Sequence[str]]) -> str:
+def is_local_peer(peer: str) -> bool:
+    """Whether a gRPC peer (``ipv4:127.0.0.1:5000``, ``ipv6:[::1]:5000``, ``unix:...``) is on
+    this machine. Ray's proxy passes the original caller's peer to the replica."""
+    kind, _, rest = peer.partition(":")
+    if kind == "unix":
+        return True
+    if kind not in ("ipv4", "ipv6"):
+        return False
+    host = rest.rsplit(":", 1)[0].strip("[]")
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    mapped = getattr(address, "ipv4_mapped", None)
+    return bool(address.is_loopback or (mapped is not None and mapped.is_loopback))
+
+
+def describe_tokens(tokens: Mapping[str, Sequence[str]], anonymous: str = "local") -> str:
     """For the start-up log: how many principals and tokens, never the tokens."""
     if not tokens:
-        return "auth off: every caller is 'anonymous'"
+        who = "from this machine only" if anonymous == "local" else "from the network (auth.anonymous: network)"
+        return f"auth off: anonymous callers accepted {who}"
     n = sum(len(t) for t in tokens.values())
     return f"auth on: {len(tokens)} principal(s), {n} token(s)"
 
 
 class Authenticator:
-    """Checks ``authorization: Bearer <token>`` against every known token."""
+    """Checks ``authorization: Bearer <token>`` against every known token.
 
-    def __init__(self, tokens: Mapping[str, str | Sequence[str]]) -> None:
+    With no token, every caller is ``anonymous``, accepted from this machine only unless
+    ``anonymous="network"`` says otherwise in so many words.
+    """
+
+    def __init__(self, tokens: Mapping[str, str | Sequence[str]], anonymous: str = "local") -> None:
         self._tokens = [
             (principal, token.encode())
             for principal, given in tokens.items()
             for token in ((given,) if isinstance(given, str) else given)
         ]
+        self._anonymous_from_network = anonymous == "network"
 
     @property
     def enabled(self) -> bool:
         return bool(self._tokens)
 
-    def principal(self, metadata: Iterable[tuple[str, str | bytes]]) -> str:
-        """The caller's principal from its ``authorization: Bearer <token>`` metadata."""
+    def principal(self, metadata: Iterable[tuple[str, str | bytes]], peer: str | None = None) -> str:
+        """The caller's principal from its ``authorization: Bearer <token>`` metadata; ``peer``
+        is the caller's address (``grpc_context.peer()``; None for in-process calls)."""
         if not self._tokens:
-            return ANONYMOUS
+            if peer is None or self._anonymous_from_network or is_local_peer(peer):
+                return ANONYMOUS
+            raise Unauthenticated(
+                "this server has no auth tokens, so it accepts calls from its own machine only; "
+                "configure auth tokens, or set auth.anonymous: network to serve anyone who reaches the port"
+            )
         header = next((v for k, v in metadata if k == "authorization"), None)
         if header is None:
             raise Unauthenticated("missing bearer token: send metadata 'authorization: Bearer <token>'")

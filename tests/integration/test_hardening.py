@@ -7,6 +7,7 @@ answer are recorded and printed as the table of docs/reliability.md (``pytest -s
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -209,6 +210,35 @@ def test_health_watch_streams_never_take_model_slots(channel: grpc.Channel, sess
     finally:
         for c in calls:
             c.cancel()
+
+
+def non_loopback_address() -> str | None:
+    """This machine's address on its default route (no packet is sent), if it has one."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(("10.255.255.255", 1))
+            address: str = s.getsockname()[0]
+        except OSError:
+            return None
+    return None if address.startswith("127.") else address
+
+
+def test_anonymous_calls_from_the_network_are_refused(server: Server) -> None:
+    """Ray's gRPC proxy listens on every interface: with no tokens configured, a call that comes
+    from another address than loopback is UNAUTHENTICATED (health stays open to probes)."""
+    host = non_loopback_address()
+    if host is None:
+        pytest.skip("no non-loopback address on this machine")
+    port = server.address.rsplit(":", 1)[1]
+    with grpc.insecure_channel(f"{host}:{port}") as ch:
+        stub = session_pb2_grpc.SessionServiceStub(ch)
+        status, elapsed, _ = answer(
+            f"CreateSession from {host} (not loopback), no token",
+            lambda: stub.CreateSession(session_pb2.CreateSessionRequest(model=SINGLE), metadata=MD, timeout=10),
+        )
+        assert status == "UNAUTHENTICATED" and elapsed < FAST_S, (status, elapsed)
+        health = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), metadata=MD, timeout=10)
+        assert health.status == health_pb2.HealthCheckResponse.SERVING
 
 
 def test_the_server_still_serves_and_nothing_leaks(sessions: Any) -> None:

@@ -11,7 +11,7 @@ import pytest
 from hotloop_serve.config import AuthConfig, config_from_dict
 from hotloop_serve.errors import InvalidArgument, NotFound, Unauthenticated
 from hotloop_serve.serve.app import preflight, session_secret
-from hotloop_serve.serve.auth import MIN_TOKEN_LENGTH, Authenticator, describe_tokens, load_tokens
+from hotloop_serve.serve.auth import MIN_TOKEN_LENGTH, Authenticator, describe_tokens, is_local_peer, load_tokens
 from hotloop_serve.serve.session_ids import SessionIds
 
 ALICE = "alice-token-0123456789"
@@ -67,7 +67,7 @@ def test_a_principal_may_hold_several_tokens(tmp_path: Path) -> None:
     for token in (ALICE, ALICE_NEXT):
         assert auth.principal([("authorization", f"Bearer {token}")]) == "alice"
     assert describe_tokens(tokens) == "auth on: 2 principal(s), 3 token(s)"
-    assert describe_tokens({}) == "auth off: every caller is 'anonymous'"
+    assert describe_tokens({}) == "auth off: anonymous callers accepted from this machine only"
 
 
 @pytest.mark.parametrize("content", ["", "\n# only a comment\n"])
@@ -109,6 +109,33 @@ def test_repeated_entries_are_reported(tmp_path: Path, caplog: pytest.LogCapture
     assert tokens == {"alice": (ALICE,)}
     assert "repeats a token of 'alice'" in caplog.text
     assert ALICE not in caplog.text
+
+
+@pytest.mark.parametrize(
+    ("peer", "local"),
+    [
+        ("ipv4:127.0.0.1:5000", True),
+        ("ipv4:127.8.9.10:1", True),
+        ("ipv6:[::1]:5000", True),
+        ("ipv6:[::ffff:127.0.0.1]:5000", True),
+        ("unix:/tmp/sock", True),
+        ("ipv4:10.1.2.3:5000", False),
+        ("ipv6:[2001:db8::1]:443", False),
+        ("ipv6:[::ffff:10.0.0.1]:5000", False),
+        ("garbage", False),
+        ("ipv4:not-an-ip:1", False),
+    ],
+)
+def test_anonymous_calls_are_accepted_from_this_machine_only(peer: str, local: bool) -> None:
+    assert is_local_peer(peer) is local
+    if local:
+        assert Authenticator({}).principal([], peer) == "anonymous"
+    else:
+        with pytest.raises(Unauthenticated, match=r"auth\.anonymous: network"):
+            Authenticator({}).principal([], peer)
+    # Said in so many words, the network is served too; with tokens, the peer does not matter.
+    assert Authenticator({}, anonymous="network").principal([], peer) == "anonymous"
+    assert Authenticator({"alice": ALICE}).principal([("authorization", f"Bearer {ALICE}")], peer) == "alice"
 
 
 def test_no_source_means_auth_off() -> None:
