@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import logging
 from typing import Any
@@ -11,14 +10,12 @@ from hotloop.v1 import session_pb2 as spb
 from ray import serve
 
 from hotloop_serve.config import config_from_dict
-from hotloop_serve.engine.chat_template import ChatMessage
 from hotloop_serve.engine.engine import Engine
 from hotloop_serve.engine.settings import SamplingSettings
 from hotloop_serve.serve.auth import Authenticator, describe_tokens, load_tokens
 from hotloop_serve.serve.model_source import resolve_model_path
-from hotloop_serve.serve.router import rendezvous_order
 from hotloop_serve.serve.servicer import ModelServicer
-from hotloop_serve.serve.session_ids import SessionIds, new_routing_key
+from hotloop_serve.serve.session_ids import SessionIds
 from hotloop_serve.telemetry import Telemetry, configure_telemetry
 from hotloop_serve.telemetry.setup import shutdown_telemetry
 
@@ -73,46 +70,6 @@ class ModelReplica(ModelServicer):
         handle = serve.get_deployment_handle(self._deployment, self._app)
         result: spb.Session = await handle.CreateSessionFor.remote(request, principal)
         return result
-
-    async def route_import(
-        self,
-        target: spb.ImportSessionRequest,
-        principal: str,
-        sid: str,
-        blob: bytes,
-        settings: SamplingSettings | None,
-        keep: list[ChatMessage] | None,
-    ) -> spb.Session:
-        """To the owner of ``target.session_key`` through our own handle (the blob moves through
-        Ray's object store when that is another replica)."""
-        handle = serve.get_deployment_handle(self._deployment, self._app)
-        result: spb.Session = await handle.ImportFor.remote(target, principal, sid, blob, settings, keep)
-        return result
-
-    async def route_list(self, principal: str) -> list[spb.Session]:
-        """Ask every replica: one call per rank, each steered by a key that rank owns."""
-        handle = serve.get_deployment_handle(self._deployment, self._app)
-        ranks = [str(r) for r in range(max(1, await asyncio.to_thread(self._running_replicas)))]
-        keys: dict[int, str] = {}
-        for _ in range(64 * len(ranks)):
-            key = new_routing_key()
-            keys.setdefault(rendezvous_order(key, ranks)[0], key)
-            if len(keys) == len(ranks):
-                break
-        calls = [handle.ListFor.remote(spb.ImportSessionRequest(session_key=k), principal) for k in keys.values()]
-        seen: dict[str, spb.Session] = {}
-        for sessions in await asyncio.gather(*calls):
-            for session in sessions:
-                seen.setdefault(session.id, session)
-        return list(seen.values())
-
-    def _running_replicas(self) -> int:
-        try:
-            app = serve.status().applications[self._app]
-            states = app.deployments[self._deployment].replica_states
-            return int(sum(n for state, n in states.items() if str(state).endswith("RUNNING")))
-        except Exception:  # the controller is unreachable: this replica's own answer is better than none
-            return 1
 
     def stats(self) -> dict[str, Any]:
         """The engine's counters (for operators' scripts and leak checks), via a deployment handle."""
