@@ -23,13 +23,29 @@ from __future__ import annotations
 
 
 class HotloopError(Exception):
-    """Base of every error a request may get; ``code`` is the gRPC status code's name."""
+    """Base of every error a request may get; ``code`` is the gRPC status code's name.
+
+    What a client can act on without parsing ``message`` travels as gRPC's richer error model
+    (``serve/status.py``): ``reason`` (a constant such as ``SESSION_NOT_FOUND``; default: the
+    code), ``field`` (the request field at fault, for INVALID_ARGUMENT: "fix your request") and
+    ``retry_after_s`` (when retrying the same request later may succeed: "retry this").
+    """
 
     code: str = "UNKNOWN"
 
-    def __init__(self, message: str) -> None:
+    def __init__(
+        self,
+        message: str,
+        *,
+        reason: str | None = None,
+        field: str | None = None,
+        retry_after_s: float | None = None,
+    ) -> None:
         super().__init__(message)
         self.message = message
+        self.reason = reason or self.code
+        self.field = field
+        self.retry_after_s = retry_after_s
 
 
 class InvalidArgument(HotloopError):

@@ -142,21 +142,26 @@ class Authenticator:
                 return ANONYMOUS
             raise Unauthenticated(
                 "this server has no auth tokens, so it accepts calls from its own machine only; "
-                "configure auth tokens, or set auth.anonymous: network to serve anyone who reaches the port"
+                "configure auth tokens, or set auth.anonymous: network to serve anyone who reaches the port",
+                reason="ANONYMOUS_FROM_NETWORK",
             )
         header = next((v for k, v in metadata if k == "authorization"), None)
         if header is None:
-            raise Unauthenticated("missing bearer token: send metadata 'authorization: Bearer <token>'")
+            raise Unauthenticated(
+                "missing bearer token: send metadata 'authorization: Bearer <token>'", reason="TOKEN_MISSING"
+            )
         if isinstance(header, bytes):
             header = header.decode(errors="replace")
         scheme, _, token = header.partition(" ")
         if scheme.lower() != "bearer" or not token:
-            raise Unauthenticated("malformed authorization metadata: expected 'Bearer <token>'")
+            raise Unauthenticated(
+                "malformed authorization metadata: expected 'Bearer <token>'", reason="TOKEN_MALFORMED"
+            )
         given = token.strip().encode(errors="replace")
         found = None
         for principal, expected in self._tokens:  # compare with every token: timing reveals nothing
             if hmac.compare_digest(given, expected):
                 found = principal
         if found is None:
-            raise Unauthenticated("invalid bearer token")
+            raise Unauthenticated("invalid bearer token", reason="TOKEN_INVALID")
         return found

@@ -28,14 +28,22 @@ _SETTING_FIELDS = tuple(f.name for f in pb.Settings.DESCRIPTOR.fields if f.has_p
 def messages_from_proto(messages: Sequence[pb.Message], max_messages: int) -> list[ChatMessage]:
     """Validate and convert a history; the error names the offending message."""
     if not messages:
-        raise InvalidArgument("history is empty: send at least one message")
+        raise InvalidArgument("history is empty: send at least one message", reason="EMPTY_HISTORY", field="messages")
     if len(messages) > max_messages:
-        raise InvalidArgument(f"history has {len(messages)} messages; this server accepts at most {max_messages}")
+        raise InvalidArgument(
+            f"history has {len(messages)} messages; this server accepts at most {max_messages}",
+            reason="TOO_MANY_MESSAGES",
+            field="messages",
+        )
     out = []
     for i, m in enumerate(messages):
         role = _ROLES.get(m.role)
         if role is None:
-            raise InvalidArgument(f"message {i}: unknown role {m.role}; use ROLE_SYSTEM, ROLE_USER or ROLE_ASSISTANT")
+            raise InvalidArgument(
+                f"message {i}: unknown role {m.role}; use ROLE_SYSTEM, ROLE_USER or ROLE_ASSISTANT",
+                reason="UNKNOWN_ROLE",
+                field=f"messages[{i}].role",
+            )
         out.append(ChatMessage(role, m.content))
     return out
 
@@ -48,7 +56,23 @@ def settings_from_proto(msg: pb.Settings, base: SamplingSettings) -> SamplingSet
     given: dict[str, Any] = {field.name: value for field, value in msg.ListFields()}
     if "stop" in given:
         given["stop"] = tuple(given["stop"])
-    return base.merged(**given) if given else base
+    if not given:
+        return base
+    try:
+        return base.merged(**given)
+    except InvalidArgument as e:
+        raise InvalidArgument(e.message, reason="INVALID_SETTING", field=_culprit(base, given)) from e
+
+
+def _culprit(base: SamplingSettings, given: dict[str, Any]) -> str | None:
+    """The first setting that is invalid on its own (``settings.<name>``), for BadRequest: found
+    by validating the fields one by one, not by reading the message."""
+    for name, value in given.items():
+        try:
+            base.merged(**{name: value})
+        except InvalidArgument:
+            return f"settings.{name}"
+    return None  # only a combination is invalid
 
 
 def has_settings(msg: pb.Settings) -> bool:

@@ -42,7 +42,11 @@ class SessionIds:
     def new(self, principal: str, key: str = "") -> str:
         """A signed id for a new session; ``key`` is the client's routing key, if it sent one."""
         if key and not KEY_PATTERN.fullmatch(key):
-            raise InvalidArgument("session_key must be 8-64 characters of A-Z, a-z, 0-9, '_' or '-'")
+            raise InvalidArgument(
+                "session_key must be 8-64 characters of A-Z, a-z, 0-9, '_' or '-'",
+                reason="INVALID_SESSION_KEY",
+                field="session_key",
+            )
         key = key or new_routing_key()
         return f"{key}.{self._sign(key, principal)}"
 
@@ -56,5 +60,5 @@ class SessionIds:
         expected = self._sign(key, principal).encode() if KEY_PATTERN.fullmatch(key) else None
         if expected is None or not sig or not hmac.compare_digest(sig.encode(errors="replace"), expected):
             shown = session_id if len(session_id) <= 80 else session_id[:77] + "..."
-            raise NotFound(f"session {shown!r} not found")
+            raise NotFound(f"session {shown!r} not found", reason="SESSION_NOT_FOUND")
         return session_id

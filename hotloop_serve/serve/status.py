@@ -2,6 +2,12 @@
 
 Every unary RPC reaches it through ``servicer.unary``, Generate through its own handler, and
 telemetry may ask :func:`code_of` for the code an error is reported with.
+
+Besides code and text, each status carries gRPC's richer error model (``google.rpc.Status`` in
+the ``grpc-status-details-bin`` trailer, what ``grpcio-status`` and its peers in other languages
+read): an ``ErrorInfo`` whose ``reason`` is a constant, a ``BadRequest`` naming the field at
+fault, and a ``RetryInfo`` when the same request may be retried later. A client in any language
+tells "retry this" from "fix your request" without parsing text.
 """
 
 from __future__ import annotations
@@ -11,6 +17,7 @@ import logging
 from typing import Any
 
 import grpc
+from google.rpc import error_details_pb2, status_pb2
 
 from hotloop_serve.errors import HotloopError, InternalError
 
@@ -43,12 +50,44 @@ def to_status(error: BaseException) -> tuple[grpc.StatusCode, str]:
     return code, f"internal error ({type(error).__name__}); the server log has details"
 
 
+DOMAIN = "hotloop-serve"
+"""``ErrorInfo.domain`` of every error this server reports."""
+DETAILS_KEY = "grpc-status-details-bin"
+"""The trailer carrying the serialized ``google.rpc.Status`` (gRPC's richer error model)."""
+RETRY_UNAVAILABLE_S = 0.2
+"""``RetryInfo`` of an UNAVAILABLE without one of its own: retry soon (another replica)."""
+
+
+def rich_status(error: BaseException, code: grpc.StatusCode, details: str) -> status_pb2.Status:
+    """``google.rpc.Status`` for ``error``: ErrorInfo always, BadRequest when a field is at
+    fault, RetryInfo when the request may be retried as it is."""
+    status = status_pb2.Status(code=code.value[0], message=details)
+    reason = getattr(error, "reason", None) or code.name
+    status.details.add().Pack(error_details_pb2.ErrorInfo(reason=reason, domain=DOMAIN))
+    field = getattr(error, "field", None)
+    if field:
+        violation = error_details_pb2.BadRequest.FieldViolation(field=field, description=details)
+        status.details.add().Pack(error_details_pb2.BadRequest(field_violations=[violation]))
+    retry_after = getattr(error, "retry_after_s", None)
+    if retry_after is None and code == grpc.StatusCode.UNAVAILABLE:
+        retry_after = RETRY_UNAVAILABLE_S
+    if retry_after is not None:
+        info = error_details_pb2.RetryInfo()
+        info.retry_delay.FromMilliseconds(round(retry_after * 1000))
+        status.details.add().Pack(info)
+    return status
+
+
 def set_status(grpc_context: Any, error: BaseException) -> grpc.StatusCode:
-    """Record the status on Ray Serve's gRPC context (the proxy sends it when the method returns)."""
+    """Record the status on Ray Serve's gRPC context (the proxy sends it when the method returns),
+    with its :func:`rich_status` in the ``grpc-status-details-bin`` trailer."""
     code, details = to_status(error)
     if grpc_context is not None:
         grpc_context.set_code(code)
         grpc_context.set_details(details)
+        set_trailer = getattr(grpc_context, "set_trailing_metadata", None)  # absent from bare test fakes
+        if set_trailer is not None and code != grpc.StatusCode.CANCELLED:
+            set_trailer(((DETAILS_KEY, rich_status(error, code, details).SerializeToString()),))
     elif not isinstance(error, HotloopError):
         raise InternalError(details) from error
     return code

@@ -160,3 +160,48 @@ def test_stream_progress_retries_only_before_text() -> None:
     assert isinstance(error, TurnInterrupted) and error.partial_text == "Hi there"
     # A non-failover error after text is reported as itself, not as an interruption.
     assert type(progress.error(FakeRpcError(grpc.StatusCode.OUT_OF_RANGE, "full"))) is OutOfRange
+
+
+class RichRpcError(FakeRpcError):
+    """Also carries the trailers, as grpc's errors do (``trailing_metadata()``)."""
+
+    def __init__(self, code: grpc.StatusCode, details: str, trailers: tuple[tuple[str, bytes], ...]) -> None:
+        super().__init__(code, details)
+        self._trailers = trailers
+
+    def trailing_metadata(self) -> tuple[tuple[str, bytes], ...]:
+        return self._trailers
+
+
+def _from_server(error: Exception) -> RichRpcError:
+    """What a client receives for ``error``: the server's own status mapping and trailer."""
+    from hotloop_serve.serve.status import DETAILS_KEY, rich_status, to_status
+
+    code, details = to_status(error)
+    return RichRpcError(code, details, ((DETAILS_KEY, rich_status(error, code, details).SerializeToString()),))
+
+
+def test_rich_details_tell_retry_from_fix_without_parsing_text() -> None:
+    from hotloop_serve import errors as server
+
+    bad = from_rpc_error(_from_server(server.InvalidArgument("top_p must be in (0, 1]", field="settings.top_p")))
+    assert isinstance(bad, InvalidArgument)
+    assert bad.reason == "INVALID_ARGUMENT" and bad.retry_delay is None
+    assert bad.field_violations == (("settings.top_p", "top_p must be in (0, 1]"),)
+
+    gone = from_rpc_error(_from_server(server.NotFound("session 'x' not found", reason="SESSION_NOT_FOUND")))
+    assert isinstance(gone, NotFound) and gone.reason == "SESSION_NOT_FOUND" and not gone.field_violations
+
+    later = from_rpc_error(_from_server(server.Unavailable("the engine is shutting down")))
+    assert isinstance(later, Unavailable) and later.retry_delay == pytest.approx(0.2)
+
+    full = from_rpc_error(_from_server(server.ResourceExhausted("queue full", retry_after_s=1.5)))
+    assert isinstance(full, ResourceExhausted) and full.retry_delay == pytest.approx(1.5)
+
+
+def test_errors_without_rich_details_still_map() -> None:
+    # Ray's proxy's own errors (a dead actor) carry no trailer; a mismatched trailer is ignored.
+    plain = from_rpc_error(FakeRpcError(grpc.StatusCode.INTERNAL, "ActorDiedError"))
+    assert plain.reason is None and plain.field_violations == () and plain.retry_delay is None
+    lying = from_rpc_error(RichRpcError(grpc.StatusCode.NOT_FOUND, "x", (("grpc-status-details-bin", b"\x08\x03"),)))
+    assert isinstance(lying, NotFound) and lying.reason is None

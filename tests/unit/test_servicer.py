@@ -11,14 +11,16 @@ from typing import Any
 
 import grpc
 import pytest
+from google.rpc import error_details_pb2, status_pb2
 from hotloop.v1 import common_pb2, session_pb2
 
 from hotloop_serve.config import Config
-from hotloop_serve.errors import InvalidArgument
+from hotloop_serve.engine.settings import SamplingSettings
+from hotloop_serve.errors import InvalidArgument, Unavailable
 from hotloop_serve.serve.auth import ANONYMOUS, Authenticator
 from hotloop_serve.serve.servicer import ModelServicer
 from hotloop_serve.serve.session_ids import SessionIds
-from hotloop_serve.serve.status import code_of
+from hotloop_serve.serve.status import code_of, set_status
 from hotloop_serve.telemetry import Telemetry
 
 UNARY_RPCS = (
@@ -41,6 +43,7 @@ class Context:
         self._metadata = metadata or []
         self.code: grpc.StatusCode | None = None
         self.details = ""
+        self.trailing: tuple[tuple[str, bytes], ...] = ()
 
     def invocation_metadata(self) -> list[tuple[str, str]]:
         return self._metadata
@@ -51,6 +54,14 @@ class Context:
     def set_details(self, details: str) -> None:
         self.details = details
 
+    def set_trailing_metadata(self, metadata: tuple[tuple[str, bytes], ...]) -> None:
+        self.trailing = metadata
+
+    def rich(self) -> status_pb2.Status:
+        """The ``google.rpc.Status`` a stock client reads from the trailer."""
+        (value,) = [v for k, v in self.trailing if k == "grpc-status-details-bin"]
+        return status_pb2.Status.FromString(value)
+
 
 class FakeEngine:
     """Just enough engine for ClearCache (blocks until released) and CloseSession."""
@@ -59,6 +70,7 @@ class FakeEngine:
         self.release = threading.Event()
         self.entered = threading.Event()
         self.fail: BaseException | None = None
+        self.defaults = SamplingSettings()
 
     def known(self, sid: str) -> bool:
         return True
@@ -192,3 +204,43 @@ def test_status_is_the_one_mapping() -> None:
     assert code_of(asyncio.CancelledError()) == grpc.StatusCode.CANCELLED
     assert code_of(GeneratorExit()) == grpc.StatusCode.CANCELLED
     assert code_of(KeyError("bug")) == grpc.StatusCode.INTERNAL
+
+
+def details_of(status: status_pb2.Status) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for any_ in status.details:
+        for cls in (error_details_pb2.ErrorInfo, error_details_pb2.BadRequest, error_details_pb2.RetryInfo):
+            if any_.Is(cls.DESCRIPTOR):
+                message = cls()
+                any_.Unpack(message)
+                out[cls.__name__] = message
+    return out
+
+
+def test_errors_carry_the_richer_error_model() -> None:
+    s, _, ids = servicer()
+    sid = ids.new(ANONYMOUS, "key-12345")
+    # A bad setting: "fix your request", naming the field (found without reading the message).
+    ctx = Context()
+    bad = session_pb2.UpdateSettingsRequest(session_id=sid, settings=common_pb2.Settings(top_p=2.0, top_k=5))
+    asyncio.run(s.UpdateSettings(bad, ctx))
+    assert ctx.code == grpc.StatusCode.INVALID_ARGUMENT
+    rich = ctx.rich()
+    assert rich.code == grpc.StatusCode.INVALID_ARGUMENT.value[0] and rich.message == ctx.details
+    found = details_of(rich)
+    assert found["ErrorInfo"].reason == "INVALID_SETTING" and found["ErrorInfo"].domain == "hotloop-serve"
+    assert [v.field for v in found["BadRequest"].field_violations] == ["settings.top_p"]
+    assert "RetryInfo" not in found
+    # An unknown session: a constant reason, nothing to retry.
+    ctx = Context()
+    asyncio.run(s.GetSession(session_pb2.GetSessionRequest(session_id="nope"), ctx))
+    assert details_of(ctx.rich())["ErrorInfo"].reason == "SESSION_NOT_FOUND"
+    # A replica going away: "retry this", with a delay.
+    ctx = Context()
+    set_status(ctx, Unavailable("the engine is shutting down"))
+    retry = details_of(ctx.rich())["RetryInfo"]
+    assert retry.retry_delay.ToMilliseconds() == 200
+    # A bug: INTERNAL, no BadRequest, no RetryInfo.
+    ctx = Context()
+    set_status(ctx, KeyError("bug"))
+    assert set(details_of(ctx.rich())) == {"ErrorInfo"} and ctx.rich().code == grpc.StatusCode.INTERNAL.value[0]

@@ -20,6 +20,11 @@ server's (``hotloop_serve/errors.py``) status by status::
 
 Statuses with no class of their own (UNIMPLEMENTED, ABORTED, ALREADY_EXISTS) raise the
 base class with ``.code`` set, so nothing is silently re-labelled.
+
+The server also sends gRPC's richer error model (``google.rpc.Status``, read with
+``grpcio-status``): every error carries ``.reason`` (a constant such as ``SESSION_NOT_FOUND``),
+``.field_violations`` (``(field, description)`` pairs: fix your request) and ``.retry_delay``
+(seconds, when the same request may be retried), so callers never parse ``.details``.
 """
 
 from __future__ import annotations
@@ -27,6 +32,8 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 import grpc
+from google.rpc import error_details_pb2
+from grpc_status import rpc_status
 
 
 class HotloopError(Exception):
@@ -38,6 +45,12 @@ class HotloopError(Exception):
         super().__init__(details)
         self.details = details
         self.code: grpc.StatusCode = code if code is not None else (self.status_code or grpc.StatusCode.UNKNOWN)
+        self.reason: str | None = None
+        """``ErrorInfo.reason`` from the server (``SESSION_NOT_FOUND``, ``INVALID_SETTING``...)."""
+        self.field_violations: tuple[tuple[str, str], ...] = ()
+        """``BadRequest``: the request fields at fault, with why."""
+        self.retry_delay: float | None = None
+        """``RetryInfo``: seconds after which the same request may succeed; None: do not retry as is."""
 
     def __str__(self) -> str:
         name = getattr(self.code, "name", str(self.code))
@@ -101,7 +114,7 @@ class DeadlineExceeded(HotloopError):
 class Unavailable(HotloopError):
     """The server could not be reached, or the replica serving the request failed.
 
-    The SDK already retried once where that was safe; retrying later may succeed.
+    The SDK already retried (with backoff) where that was safe; retrying later may succeed.
     """
 
     status_code = grpc.StatusCode.UNAVAILABLE
@@ -165,9 +178,37 @@ def error_for_status(code: grpc.StatusCode, details: str) -> HotloopError:
     return _BY_CODE.get(code, HotloopError)(details, code)
 
 
+def rich_details(exc: BaseException) -> tuple[str | None, tuple[tuple[str, str], ...], float | None]:
+    """(reason, field violations, retry delay) from the ``google.rpc.Status`` trailer of a gRPC
+    error, when the server sent one (Ray's own proxy errors carry none)."""
+    try:
+        status = rpc_status.from_call(exc) if callable(getattr(exc, "trailing_metadata", None)) else None
+    except (ValueError, TypeError):  # a trailer that does not match the status: ignore it
+        status = None
+    reason: str | None = None
+    violations: list[tuple[str, str]] = []
+    retry: float | None = None
+    for detail in status.details if status is not None else ():
+        if detail.Is(error_details_pb2.ErrorInfo.DESCRIPTOR):
+            info = error_details_pb2.ErrorInfo()
+            detail.Unpack(info)
+            reason = info.reason
+        elif detail.Is(error_details_pb2.BadRequest.DESCRIPTOR):
+            bad = error_details_pb2.BadRequest()
+            detail.Unpack(bad)
+            violations.extend((v.field, v.description) for v in bad.field_violations)
+        elif detail.Is(error_details_pb2.RetryInfo.DESCRIPTOR):
+            info = error_details_pb2.RetryInfo()
+            detail.Unpack(info)
+            retry = info.retry_delay.ToMilliseconds() / 1000
+    return reason, tuple(violations), retry
+
+
 def from_rpc_error(exc: BaseException) -> HotloopError:
-    """Translate a ``grpc.RpcError`` (sync or aio) into the hierarchy above."""
-    return error_for_status(*status_of(exc))
+    """Translate a ``grpc.RpcError`` (sync or aio) into the hierarchy above, with its rich details."""
+    error = error_for_status(*status_of(exc))
+    error.reason, error.field_violations, error.retry_delay = rich_details(exc)
+    return error
 
 
 __all__ = [
@@ -186,5 +227,6 @@ __all__ = [
     "Unavailable",
     "error_for_status",
     "from_rpc_error",
+    "rich_details",
     "status_of",
 ]
