@@ -437,7 +437,7 @@ class Engine:
             if self.disk is not None and session.phase in (SessionPhase.NEW, SessionPhase.DROPPED):
                 self._inbox_disk_load(req)
             if kind is RequestKind.GENERATE:
-                req.sampler = Sampler(settings, self.model.n_vocab, self._rng)
+                req.sampler = Sampler(settings, self.model.n_vocab, self._rng, self.model.vocab)
             session.pending += 1
             session.last_used = time.monotonic()
             self._inbox.append(req)
@@ -756,14 +756,16 @@ class Engine:
             self._finish(req, "eos", cache_token=token)
             return
         req.generated += 1
+        if req.settings.logprobs:
+            req.sampler.record_logprob(self._ctx, index, token, self.model.piece)
         text = req.assembler.feed(self.model.piece(token))
         if req.assembler.stopped:
             if text:
-                req.stream.put(Chunk(text))
+                req.stream.put(Chunk(text, logprobs=req.sampler.take_logprobs()))
             self._finish(req, "stop")
             return
         if text:
-            req.stream.put(Chunk(text))
+            req.stream.put(Chunk(text, logprobs=req.sampler.take_logprobs()))
         if req.generated >= req.settings.sample_len:
             self._finish(req, "length", cache_token=token)
         elif len(req.session.tokens) + 1 >= self.session_context:
@@ -786,7 +788,8 @@ class Engine:
             decode_ms=(end - first) * 1e3 if req.t_first else 0.0,
         )
         hit = req.usage.cached_tokens + req.usage.restored_tokens > 0
-        req.stream.put(Chunk(text, reason, req.usage, timings, cache_hit=hit))
+        logprobs = req.sampler.take_logprobs() if req.sampler is not None else None
+        req.stream.put(Chunk(text, reason, req.usage, timings, cache_hit=hit, logprobs=logprobs))
 
     def _finish(self, req: Request, reason: str, cache_token: int | None = None) -> None:
         """Send the final chunk now; keep the request one more step to cache its last token if it fits."""

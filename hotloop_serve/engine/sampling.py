@@ -1,9 +1,10 @@
 """Per-request sampling (llama.cpp's sampler chain) and the text a request streams out.
 
-``Sampler`` owns one llama.cpp sampler chain built from a session's settings: penalties,
-top-k, top-p, min-p, temperature, then a seeded draw (or greedy at temperature 0). The
-draw's RNG lives in the chain, so a fixed seed reproduces a reply whatever else shares the
-batch.
+``Sampler`` owns one llama.cpp sampler chain built from a session's settings: a grammar
+(structured output) first, penalties, top-k, top-p, min-p, temperature, then a seeded draw
+(or greedy at temperature 0). The draw's RNG lives in the chain, so a fixed seed reproduces
+a reply whatever else shares the batch. A request that asked for logprobs also gets each
+sampled token's log-probability from the row's logits (numpy, only for those requests).
 
 ``TextAssembler`` turns sampled tokens into safe text: it never emits half of a UTF-8
 character split across tokens, and it holds back text that might be the start of a stop
@@ -14,11 +15,14 @@ from __future__ import annotations
 
 import codecs
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import llama_cpp as ll
+import numpy as np
 
 from hotloop_serve.engine.settings import SamplingSettings
+from hotloop_serve.engine.stream import TokenLogprob
+from hotloop_serve.errors import InvalidArgument
 
 _RANDOM_SEED_SENTINEL = 0xFFFFFFFF  # llama.cpp's LLAMA_DEFAULT_SEED: "draw a random seed"
 
@@ -52,12 +56,26 @@ class Sampler:
     end-of-generation token ends the reply before it could ever be penalized.
     """
 
-    __slots__ = ("_chain",)
+    __slots__ = ("_chain", "_logprobs", "_n_vocab", "_top")
 
-    def __init__(self, settings: SamplingSettings, n_vocab: int, rng: random.Random) -> None:
+    def __init__(
+        self, settings: SamplingSettings, n_vocab: int, rng: random.Random, vocab: ll.llama_vocab_p | None = None
+    ) -> None:
         seed = settings.seed if settings.seed is not None else rng.getrandbits(64)
+        self._n_vocab = n_vocab
+        self._logprobs: list[TokenLogprob] | None = [] if settings.logprobs else None
+        self._top = settings.top_logprobs
+        grammar = settings.effective_grammar
         chain = ll.llama_sampler_chain_init(ll.llama_sampler_chain_default_params())
         add = ll.llama_sampler_chain_add
+        if grammar:
+            # First: it masks every token the grammar forbids (an end-of-generation token
+            # until the grammar is complete), so whatever follows draws an allowed one.
+            constraint = ll.llama_sampler_init_grammar(vocab, grammar.encode(), b"root")
+            if not constraint:
+                ll.llama_sampler_free(chain)
+                raise InvalidArgument("grammar could not be loaded by llama.cpp (see the server log)")
+            add(chain, constraint)
         if settings.repeat_penalty != 1.0 and settings.repeat_last_n > 0:
             k = prefilter_k(settings)
             if 0 < k < n_vocab:
@@ -80,6 +98,30 @@ class Sampler:
     def sample(self, ctx: ll.llama_context_p, output_index: int) -> int:
         """Sample (and accept) a token from the logits at ``output_index`` of the last decode."""
         return int(ll.llama_sampler_sample(self._chain, ctx, output_index))
+
+    def record_logprob(
+        self, ctx: ll.llama_context_p, output_index: int, token: int, piece: Callable[[int], bytes]
+    ) -> None:
+        """Keep ``token``'s log-probability (log-softmax of the row's raw logits) and the top
+        alternatives; only called for requests that asked (one pass over the vocabulary)."""
+        if self._logprobs is None:
+            return
+        logits = np.ctypeslib.as_array(ll.llama_get_logits_ith(ctx, output_index), shape=(self._n_vocab,))
+        peak = float(logits.max())
+        lse = peak + float(np.log(np.exp(logits - peak, dtype=np.float64).sum()))
+        top: list[tuple[int, bytes, float]] = []
+        if self._top:
+            best = np.argpartition(logits, -self._top)[-self._top :]
+            best = best[np.argsort(logits[best])[::-1]]
+            top = [(int(t), piece(int(t)), float(logits[t]) - lse) for t in best]
+        self._logprobs.append(TokenLogprob(token, piece(token), float(logits[token]) - lse, top))
+
+    def take_logprobs(self) -> list[TokenLogprob] | None:
+        """The logprobs recorded since the last call (None when the request did not ask)."""
+        if self._logprobs is None:
+            return None
+        out, self._logprobs = self._logprobs, []
+        return out
 
     def free(self) -> None:
         if self._chain is not None:

@@ -11,11 +11,16 @@ import math
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
+from hotloop_serve.engine.grammar import check_grammar, schema_to_grammar
 from hotloop_serve.errors import InvalidArgument
 
 MAX_STOP_SEQUENCES = 8
 MAX_STOP_LENGTH = 256
 MAX_SEED = 2**64 - 1
+MAX_GRAMMAR_BYTES = 64 * 1024
+"""Longest GBNF grammar or JSON Schema accepted (the text, before conversion)."""
+MAX_TOP_LOGPROBS = 20
+"""Most alternatives reported per token (OpenAI's bound)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,6 +48,16 @@ class SamplingSettings:
     """Drop tokens whose probability is below min_p times the best one's; 0 disables it."""
     truncate_history: bool = False
     """Drop the oldest turns (never the system prompt) rather than fail when history is too long."""
+    grammar: str = ""
+    """A GBNF grammar (llama.cpp's syntax, start symbol ``root``) every reply must match, enforced by
+    llama.cpp's grammar sampler; empty: none. Exclusive with ``json_schema``."""
+    json_schema: str = ""
+    """A JSON Schema (JSON text) every reply must match, converted to a grammar by the converter
+    that ships with llama-cpp-python; ``{"type": "object"}`` asks for any JSON object."""
+    logprobs: bool = False
+    """Report the log-probability of each generated token (under the model's raw distribution)."""
+    top_logprobs: int = 0
+    """With ``logprobs``: also the most likely alternatives at each position, 0-20."""
 
     def __post_init__(self) -> None:
         self.validate()
@@ -93,6 +108,16 @@ class SamplingSettings:
         for s in self.stop:
             if not s or len(s) > MAX_STOP_LENGTH:
                 raise InvalidArgument(f"stop sequences must be 1-{MAX_STOP_LENGTH} characters, got {len(s)}")
+        if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise InvalidArgument(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}")
+        if self.grammar and self.json_schema:
+            raise InvalidArgument("grammar and json_schema are exclusive: send one of them")
+        for name in ("grammar", "json_schema"):
+            text = getattr(self, name)
+            if len(text.encode()) > MAX_GRAMMAR_BYTES:
+                raise InvalidArgument(f"{name} must be at most {MAX_GRAMMAR_BYTES} bytes, got {len(text.encode())}")
+        if self.grammar or self.json_schema:
+            check_grammar(self.grammar or schema_to_grammar(self.json_schema))
 
     def merged(self, **overrides: Any) -> SamplingSettings:
         """A copy with the given fields replaced (None values are ignored)."""
@@ -107,6 +132,15 @@ class SamplingSettings:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def effective_grammar(self) -> str:
+        """The GBNF the sampler enforces: ``grammar``, or ``json_schema`` converted; empty: none."""
+        if self.grammar:
+            return self.grammar
+        if self.json_schema:
+            return schema_to_grammar(self.json_schema)
+        return ""
 
 
 def _finite(name: str, value: float) -> None:

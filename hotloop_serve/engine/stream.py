@@ -13,7 +13,7 @@ import contextlib
 import threading
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from hotloop_serve.errors import HotloopError
 
@@ -40,6 +40,19 @@ class Timings:
 
 
 @dataclass(slots=True)
+class TokenLogprob:
+    """One generated token's log-probability (natural log, the model's raw distribution) and,
+    when asked for, the most likely alternatives at its position, best first."""
+
+    token: int
+    piece: bytes
+    """The token's bytes (a token may hold part of a UTF-8 character)."""
+    logprob: float
+    top: list[tuple[int, bytes, float]] = field(default_factory=list)
+    """(token, bytes, logprob) of the ``top_logprobs`` most likely tokens."""
+
+
+@dataclass(slots=True)
 class Chunk:
     """Streamed text; the last chunk of a request carries finish_reason, usage and timings."""
 
@@ -48,6 +61,9 @@ class Chunk:
     usage: Usage | None = None
     timings: Timings | None = None
     cache_hit: bool = False
+    logprobs: list[TokenLogprob] | None = None
+    """With ``SamplingSettings.logprobs``: the tokens generated since the previous chunk (a
+    chunk's text may lag its tokens: text held back for a stop sequence or a split character)."""
 
     @property
     def final(self) -> bool:
@@ -104,6 +120,8 @@ class RequestStream:
             return chunks[0]
         last = chunks[-1]
         last.text = "".join(c.text for c in chunks)
+        if last.logprobs is not None or chunks[0].logprobs is not None:
+            last.logprobs = [lp for c in chunks for lp in (c.logprobs or ())]
         return last
 
     def __iter__(self) -> Iterator[Chunk]:
@@ -152,18 +170,26 @@ class RequestStream:
     def result(self) -> Chunk:
         """Wait for the end and return the final chunk, text joined (for warmup and tests)."""
         text: list[str] = []
+        logprobs: list[TokenLogprob] = []
         last = Chunk()
         for chunk in self:
             text.append(chunk.text)
+            logprobs.extend(chunk.logprobs or ())
             last = chunk
         last.text = "".join(text)
+        if logprobs:
+            last.logprobs = logprobs
         return last
 
     async def aresult(self) -> Chunk:
         text: list[str] = []
+        logprobs: list[TokenLogprob] = []
         last = Chunk()
         async for chunk in self:
             text.append(chunk.text)
+            logprobs.extend(chunk.logprobs or ())
             last = chunk
         last.text = "".join(text)
+        if logprobs:
+            last.logprobs = logprobs
         return last

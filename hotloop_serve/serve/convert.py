@@ -10,7 +10,7 @@ from hotloop.v1 import session_pb2 as spb
 
 from hotloop_serve.engine.chat_template import ChatMessage
 from hotloop_serve.engine.settings import SamplingSettings
-from hotloop_serve.engine.stream import Chunk, Timings, Usage
+from hotloop_serve.engine.stream import Chunk, Timings, TokenLogprob, Usage
 from hotloop_serve.errors import InvalidArgument
 
 _ROLES = {pb.ROLE_SYSTEM: "system", pb.ROLE_USER: "user", pb.ROLE_ASSISTANT: "assistant"}
@@ -108,9 +108,24 @@ def timings_to_proto(t: Timings) -> pb.Timings:
     )
 
 
+def logprobs_to_proto(logprobs: Sequence[TokenLogprob]) -> list[pb.TokenLogprob]:
+    return [
+        pb.TokenLogprob(
+            token=lp.token,
+            piece=lp.piece,
+            logprob=lp.logprob,
+            top=[pb.TopLogprob(token=t, piece=p, logprob=v) for t, p, v in lp.top],
+        )
+        for lp in logprobs
+    ]
+
+
 def chunk_to_proto(c: Chunk, served_by: pb.ServedBy) -> spb.GenerateChunk:
     if not c.final:
-        return spb.GenerateChunk(text=c.text)
+        out = spb.GenerateChunk(text=c.text)
+        if c.logprobs:
+            out.logprobs.extend(logprobs_to_proto(c.logprobs))
+        return out
     assert c.usage is not None and c.timings is not None and c.finish_reason is not None
     by = pb.ServedBy()
     by.CopyFrom(served_by)
@@ -121,4 +136,5 @@ def chunk_to_proto(c: Chunk, served_by: pb.ServedBy) -> spb.GenerateChunk:
         usage=usage_to_proto(c.usage),
         timings=timings_to_proto(c.timings),
         served_by=by,
+        logprobs=logprobs_to_proto(c.logprobs or ()),
     )

@@ -38,6 +38,7 @@ from ._types import (
     SessionInfo,
     Settings,
     Timings,
+    TokenLogprob,
     Usage,
 )
 
@@ -69,6 +70,7 @@ __all__ = [
     "SessionInfo",
     "Settings",
     "Timings",
+    "TokenLogprob",
     "TurnInterrupted",
     "Unauthenticated",
     "Unavailable",

@@ -37,6 +37,7 @@ from ._types import (
     SessionInfo,
     Settings,
     Timings,
+    TokenLogprob,
     Usage,
 )
 
@@ -302,6 +303,10 @@ def chunk_from_proto(pb: session_pb2.GenerateChunk) -> Chunk:
         usage=usage_from_proto(pb.usage) if pb.HasField("usage") else None,
         timings=timings_from_proto(pb.timings) if pb.HasField("timings") else None,
         served_by=served_by_from_proto(pb.served_by) if pb.HasField("served_by") else None,
+        logprobs=tuple(
+            TokenLogprob(lp.token, lp.piece, lp.logprob, tuple((t.token, t.piece, t.logprob) for t in lp.top))
+            for lp in pb.logprobs
+        ),
     )
 
 

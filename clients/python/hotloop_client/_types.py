@@ -72,6 +72,14 @@ class Settings:
     """In [0, 1)."""
     truncate_history: bool | None = None
     """Drop the oldest turns (system prompt kept) instead of failing with OUT_OF_RANGE."""
+    grammar: str | None = None
+    """Structured output: a GBNF grammar (llama.cpp's syntax, start symbol ``root``) every reply matches."""
+    json_schema: str | None = None
+    """Structured output: a JSON Schema (JSON text) every reply matches; ``'{"type": "object"}'``: any object."""
+    logprobs: bool | None = None
+    """Report each generated token's log-probability (``Chunk.logprobs``)."""
+    top_logprobs: int | None = None
+    """With ``logprobs``: also the most likely alternatives at each position, 0-20."""
 
     def __post_init__(self) -> None:
         # A frozen dataclass must stay hashable: store stop sequences as a tuple even when
@@ -129,6 +137,21 @@ class ServedBy:
 
 
 @dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """One generated token: its id, bytes and natural-log probability under the model's raw
+    distribution; ``top``: the most likely alternatives at its position (``top_logprobs``), best first."""
+
+    token: int
+    piece: bytes
+    logprob: float
+    top: tuple[tuple[int, bytes, float], ...] = ()
+
+    @property
+    def text(self) -> str:
+        return self.piece.decode("utf-8", errors="replace")
+
+
+@dataclass(frozen=True, slots=True)
 class Chunk:
     """A piece of a streamed reply. Only the last chunk of a turn carries ``finish_reason``,
     ``usage``, ``timings`` and ``served_by``; on the others they are ``None``."""
@@ -138,6 +161,8 @@ class Chunk:
     usage: Usage | None = None
     timings: Timings | None = None
     served_by: ServedBy | None = None
+    logprobs: tuple[TokenLogprob, ...] = ()
+    """With ``Settings(logprobs=True)``: the tokens generated since the previous chunk."""
 
     @property
     def is_last(self) -> bool:

@@ -116,6 +116,10 @@ class Settings(_message.Message):
     STOP_FIELD_NUMBER: _builtins.int
     MIN_P_FIELD_NUMBER: _builtins.int
     TRUNCATE_HISTORY_FIELD_NUMBER: _builtins.int
+    GRAMMAR_FIELD_NUMBER: _builtins.int
+    JSON_SCHEMA_FIELD_NUMBER: _builtins.int
+    LOGPROBS_FIELD_NUMBER: _builtins.int
+    TOP_LOGPROBS_FIELD_NUMBER: _builtins.int
     temperature: _builtins.float
     """>= 0; 0 means greedy decoding. Default 0.8."""
     sample_len: _builtins.int
@@ -134,6 +138,18 @@ class Settings(_message.Message):
     """in [0, 1). Default 0.05."""
     truncate_history: _builtins.bool
     """drop the oldest turns (system prompt kept) instead of"""
+    grammar: _builtins.str
+    """failing with OUT_OF_RANGE when history exceeds the context.
+    Structured output, enforced by llama.cpp's grammar sampler (at most one of the two; a bad
+    one is INVALID_ARGUMENT naming the problem):
+    a GBNF grammar (llama.cpp's syntax, start symbol "root").
+    """
+    json_schema: _builtins.str
+    """a JSON Schema as JSON text; '{"type": "object"}' = any object."""
+    logprobs: _builtins.bool
+    """report each generated token's log-probability (Chunk.logprobs)."""
+    top_logprobs: _builtins.int
+    """with logprobs: also the most likely alternatives, 0-20."""
     @_builtins.property
     def stop(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """generation ends before any of these strings (at most 8)."""
@@ -151,11 +167,21 @@ class Settings(_message.Message):
         stop: _abc.Iterable[_builtins.str] | None = ...,
         min_p: _builtins.float | None = ...,
         truncate_history: _builtins.bool | None = ...,
+        grammar: _builtins.str | None = ...,
+        json_schema: _builtins.str | None = ...,
+        logprobs: _builtins.bool | None = ...,
+        top_logprobs: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_min_p", b"_min_p", "_repeat_last_n", b"_repeat_last_n", "_repeat_penalty", b"_repeat_penalty", "_sample_len", b"_sample_len", "_seed", b"_seed", "_temperature", b"_temperature", "_top_k", b"_top_k", "_top_p", b"_top_p", "_truncate_history", b"_truncate_history", "min_p", b"min_p", "repeat_last_n", b"repeat_last_n", "repeat_penalty", b"repeat_penalty", "sample_len", b"sample_len", "seed", b"seed", "temperature", b"temperature", "top_k", b"top_k", "top_p", b"top_p", "truncate_history", b"truncate_history"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_grammar", b"_grammar", "_json_schema", b"_json_schema", "_logprobs", b"_logprobs", "_min_p", b"_min_p", "_repeat_last_n", b"_repeat_last_n", "_repeat_penalty", b"_repeat_penalty", "_sample_len", b"_sample_len", "_seed", b"_seed", "_temperature", b"_temperature", "_top_k", b"_top_k", "_top_logprobs", b"_top_logprobs", "_top_p", b"_top_p", "_truncate_history", b"_truncate_history", "grammar", b"grammar", "json_schema", b"json_schema", "logprobs", b"logprobs", "min_p", b"min_p", "repeat_last_n", b"repeat_last_n", "repeat_penalty", b"repeat_penalty", "sample_len", b"sample_len", "seed", b"seed", "temperature", b"temperature", "top_k", b"top_k", "top_logprobs", b"top_logprobs", "top_p", b"top_p", "truncate_history", b"truncate_history"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_min_p", b"_min_p", "_repeat_last_n", b"_repeat_last_n", "_repeat_penalty", b"_repeat_penalty", "_sample_len", b"_sample_len", "_seed", b"_seed", "_temperature", b"_temperature", "_top_k", b"_top_k", "_top_p", b"_top_p", "_truncate_history", b"_truncate_history", "min_p", b"min_p", "repeat_last_n", b"repeat_last_n", "repeat_penalty", b"repeat_penalty", "sample_len", b"sample_len", "seed", b"seed", "stop", b"stop", "temperature", b"temperature", "top_k", b"top_k", "top_p", b"top_p", "truncate_history", b"truncate_history"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_grammar", b"_grammar", "_json_schema", b"_json_schema", "_logprobs", b"_logprobs", "_min_p", b"_min_p", "_repeat_last_n", b"_repeat_last_n", "_repeat_penalty", b"_repeat_penalty", "_sample_len", b"_sample_len", "_seed", b"_seed", "_temperature", b"_temperature", "_top_k", b"_top_k", "_top_logprobs", b"_top_logprobs", "_top_p", b"_top_p", "_truncate_history", b"_truncate_history", "grammar", b"grammar", "json_schema", b"json_schema", "logprobs", b"logprobs", "min_p", b"min_p", "repeat_last_n", b"repeat_last_n", "repeat_penalty", b"repeat_penalty", "sample_len", b"sample_len", "seed", b"seed", "stop", b"stop", "temperature", b"temperature", "top_k", b"top_k", "top_logprobs", b"top_logprobs", "top_p", b"top_p", "truncate_history", b"truncate_history"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__grammar: _TypeAlias = _typing.Literal["grammar"]  # noqa: Y015
+    _WhichOneofArgType__grammar: _TypeAlias = _typing.Literal["_grammar", b"_grammar"]  # noqa: Y015
+    _WhichOneofReturnType__json_schema: _TypeAlias = _typing.Literal["json_schema"]  # noqa: Y015
+    _WhichOneofArgType__json_schema: _TypeAlias = _typing.Literal["_json_schema", b"_json_schema"]  # noqa: Y015
+    _WhichOneofReturnType__logprobs: _TypeAlias = _typing.Literal["logprobs"]  # noqa: Y015
+    _WhichOneofArgType__logprobs: _TypeAlias = _typing.Literal["_logprobs", b"_logprobs"]  # noqa: Y015
     _WhichOneofReturnType__min_p: _TypeAlias = _typing.Literal["min_p"]  # noqa: Y015
     _WhichOneofArgType__min_p: _TypeAlias = _typing.Literal["_min_p", b"_min_p"]  # noqa: Y015
     _WhichOneofReturnType__repeat_last_n: _TypeAlias = _typing.Literal["repeat_last_n"]  # noqa: Y015
@@ -170,10 +196,18 @@ class Settings(_message.Message):
     _WhichOneofArgType__temperature: _TypeAlias = _typing.Literal["_temperature", b"_temperature"]  # noqa: Y015
     _WhichOneofReturnType__top_k: _TypeAlias = _typing.Literal["top_k"]  # noqa: Y015
     _WhichOneofArgType__top_k: _TypeAlias = _typing.Literal["_top_k", b"_top_k"]  # noqa: Y015
+    _WhichOneofReturnType__top_logprobs: _TypeAlias = _typing.Literal["top_logprobs"]  # noqa: Y015
+    _WhichOneofArgType__top_logprobs: _TypeAlias = _typing.Literal["_top_logprobs", b"_top_logprobs"]  # noqa: Y015
     _WhichOneofReturnType__top_p: _TypeAlias = _typing.Literal["top_p"]  # noqa: Y015
     _WhichOneofArgType__top_p: _TypeAlias = _typing.Literal["_top_p", b"_top_p"]  # noqa: Y015
     _WhichOneofReturnType__truncate_history: _TypeAlias = _typing.Literal["truncate_history"]  # noqa: Y015
     _WhichOneofArgType__truncate_history: _TypeAlias = _typing.Literal["_truncate_history", b"_truncate_history"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__grammar) -> _WhichOneofReturnType__grammar | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__json_schema) -> _WhichOneofReturnType__json_schema | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__logprobs) -> _WhichOneofReturnType__logprobs | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__min_p) -> _WhichOneofReturnType__min_p | None: ...
     @_typing.overload
@@ -189,11 +223,73 @@ class Settings(_message.Message):
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__top_k) -> _WhichOneofReturnType__top_k | None: ...
     @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__top_logprobs) -> _WhichOneofReturnType__top_logprobs | None: ...
+    @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__top_p) -> _WhichOneofReturnType__top_p | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__truncate_history) -> _WhichOneofReturnType__truncate_history | None: ...
 
 Global___Settings: _TypeAlias = Settings  # noqa: Y015
+
+@_typing.final
+class TokenLogprob(_message.Message):
+    """One generated token's log-probability (natural log, under the model's raw distribution)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TOKEN_FIELD_NUMBER: _builtins.int
+    PIECE_FIELD_NUMBER: _builtins.int
+    LOGPROB_FIELD_NUMBER: _builtins.int
+    TOP_FIELD_NUMBER: _builtins.int
+    token: _builtins.int
+    """token id"""
+    piece: _builtins.bytes
+    """the token's bytes (may be part of a UTF-8 character)"""
+    logprob: _builtins.float
+    @_builtins.property
+    def top(self) -> _containers.RepeatedCompositeFieldContainer[Global___TopLogprob]:
+        """the top_logprobs most likely tokens at this position, best first"""
+
+    def __init__(
+        self,
+        *,
+        token: _builtins.int = ...,
+        piece: _builtins.bytes = ...,
+        logprob: _builtins.float = ...,
+        top: _abc.Iterable[Global___TopLogprob] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["logprob", b"logprob", "piece", b"piece", "token", b"token", "top", b"top"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TokenLogprob: _TypeAlias = TokenLogprob  # noqa: Y015
+
+@_typing.final
+class TopLogprob(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TOKEN_FIELD_NUMBER: _builtins.int
+    PIECE_FIELD_NUMBER: _builtins.int
+    LOGPROB_FIELD_NUMBER: _builtins.int
+    token: _builtins.int
+    piece: _builtins.bytes
+    logprob: _builtins.float
+    def __init__(
+        self,
+        *,
+        token: _builtins.int = ...,
+        piece: _builtins.bytes = ...,
+        logprob: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["logprob", b"logprob", "piece", b"piece", "token", b"token"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TopLogprob: _TypeAlias = TopLogprob  # noqa: Y015
 
 @_typing.final
 class Usage(_message.Message):

@@ -129,6 +129,7 @@ class GenerateChunk(_message.Message):
     USAGE_FIELD_NUMBER: _builtins.int
     TIMINGS_FIELD_NUMBER: _builtins.int
     SERVED_BY_FIELD_NUMBER: _builtins.int
+    LOGPROBS_FIELD_NUMBER: _builtins.int
     text: _builtins.str
     finish_reason: _common_pb2.FinishReason.ValueType
     """Only on the last chunk:"""
@@ -138,6 +139,12 @@ class GenerateChunk(_message.Message):
     def timings(self) -> _common_pb2.Timings: ...
     @_builtins.property
     def served_by(self) -> _common_pb2.ServedBy: ...
+    @_builtins.property
+    def logprobs(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]:
+        """With Settings.logprobs: the tokens generated since the previous chunk (text can lag its
+        tokens while a possible stop sequence or a split UTF-8 character is held back).
+        """
+
     def __init__(
         self,
         *,
@@ -146,10 +153,11 @@ class GenerateChunk(_message.Message):
         usage: _common_pb2.Usage | None = ...,
         timings: _common_pb2.Timings | None = ...,
         served_by: _common_pb2.ServedBy | None = ...,
+        logprobs: _abc.Iterable[_common_pb2.TokenLogprob] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["served_by", b"served_by", "timings", b"timings", "usage", b"usage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["finish_reason", b"finish_reason", "served_by", b"served_by", "text", b"text", "timings", b"timings", "usage", b"usage"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["finish_reason", b"finish_reason", "logprobs", b"logprobs", "served_by", b"served_by", "text", b"text", "timings", b"timings", "usage", b"usage"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
