@@ -87,7 +87,8 @@ def set_status(grpc_context: Any, error: BaseException) -> grpc.StatusCode:
         grpc_context.set_details(details)
         set_trailer = getattr(grpc_context, "set_trailing_metadata", None)  # absent from bare test fakes
         if set_trailer is not None and code != grpc.StatusCode.CANCELLED:
-            set_trailer(((DETAILS_KEY, rich_status(error, code, details).SerializeToString()),))
+            # A list: Ray's context prepends its request_id trailer with ``list + ...``.
+            set_trailer([(DETAILS_KEY, rich_status(error, code, details).SerializeToString())])
     elif not isinstance(error, HotloopError):
         raise InternalError(details) from error
     return code

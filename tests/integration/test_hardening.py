@@ -15,7 +15,9 @@ from typing import Any
 
 import grpc
 import pytest
+from google.rpc import error_details_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_status import rpc_status
 from hotloop.v1 import common_pb2, model_pb2, model_pb2_grpc, session_pb2, session_pb2_grpc
 from ray import serve
 
@@ -239,6 +241,43 @@ def test_anonymous_calls_from_the_network_are_refused(server: Server) -> None:
         assert status == "UNAUTHENTICATED" and elapsed < FAST_S, (status, elapsed)
         health = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), metadata=MD, timeout=10)
         assert health.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def rich(error: grpc.RpcError) -> dict[str, Any]:
+    """The google.rpc.Status details a stock client reads with grpcio-status."""
+    status = rpc_status.from_call(error)  # type: ignore[arg-type]
+    assert status is not None, "no grpc-status-details-bin trailer"
+    out: dict[str, Any] = {}
+    for detail in status.details:
+        for cls in (error_details_pb2.ErrorInfo, error_details_pb2.BadRequest, error_details_pb2.RetryInfo):
+            if detail.Is(cls.DESCRIPTOR):
+                message = cls()
+                detail.Unpack(message)
+                out[cls.__name__] = message
+    return out
+
+
+def test_errors_carry_the_richer_error_model_through_the_proxy(sessions: Any) -> None:
+    """Through Ray's proxy: a stock client tells "fix your request" (a BadRequest naming the
+    field) from "retry this" without parsing text, on every unary RPC."""
+    sid = new_session(sessions)
+    bad = common_pb2.Settings(top_p=2.0)
+    update = session_pb2.UpdateSettingsRequest(session_id=sid, settings=bad)
+    with pytest.raises(grpc.RpcError) as unary_error:
+        sessions.UpdateSettings(update, metadata=MD, timeout=10)
+    found = rich(unary_error.value)
+    assert found["ErrorInfo"].reason == "INVALID_SETTING"
+    assert [v.field for v in found["BadRequest"].field_violations] == ["settings.top_p"]
+    turn = session_pb2.GenerateRequest(session_id=sid, messages=USER, settings=bad)
+    with pytest.raises(grpc.RpcError) as stream_error:
+        list(sessions.Generate(turn, metadata=MD, timeout=10))
+    # A stream's error reaches Ray's proxy as an exception, and the proxy sends its code and
+    # details but drops the replica's trailers: streams carry no rich details (Ray 2.60).
+    assert stream_error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert rpc_status.from_call(stream_error.value) is None  # type: ignore[arg-type]
+    with pytest.raises(grpc.RpcError) as missing:
+        sessions.GetSession(session_pb2.GetSessionRequest(session_id="nope"), metadata=MD, timeout=10)
+    assert rich(missing.value)["ErrorInfo"].reason == "SESSION_NOT_FOUND"
 
 
 def test_the_server_still_serves_and_nothing_leaks(sessions: Any) -> None:

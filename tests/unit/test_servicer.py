@@ -54,8 +54,9 @@ class Context:
     def set_details(self, details: str) -> None:
         self.details = details
 
-    def set_trailing_metadata(self, metadata: tuple[tuple[str, bytes], ...]) -> None:
-        self.trailing = metadata
+    def set_trailing_metadata(self, metadata: list[tuple[str, bytes]]) -> None:
+        assert isinstance(metadata, list)  # Ray's context does ``[request_id] + metadata``
+        self.trailing = tuple(metadata)
 
     def rich(self) -> status_pb2.Status:
         """The ``google.rpc.Status`` a stock client reads from the trailer."""
