@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import os
+
 from hotloop_serve.config import Config
-from hotloop_serve.serve.app import GRPC_SERVICER_FUNCTIONS, deploy
+from hotloop_serve.serve.app import GRPC_SERVICER_FUNCTIONS, PROXY_MESSAGE_ENV, deploy, proxy_message_limit
 from hotloop_serve.serve.probe import wait_until_serving
 
 __all__ = ["start_server", "stop_server", "wait_until_serving"]
@@ -15,6 +17,8 @@ def start_server(config: Config, address: str | None = None, num_cpus: int | Non
     from ray import serve
     from ray.serve.config import HTTPOptions, gRPCOptions
 
+    # Inherited by the proxy Ray starts below (a cluster joined with ``address`` keeps its own).
+    os.environ.setdefault(PROXY_MESSAGE_ENV, str(proxy_message_limit(config)))
     if not ray.is_initialized():
         ray.init(
             address=address,

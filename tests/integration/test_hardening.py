@@ -149,6 +149,19 @@ def test_oversized_requests_are_refused_at_once(channel: grpc.Channel, sessions:
         assert status == "RESOURCE_EXHAUSTED" and elapsed < FAST_S, (rpc, status, elapsed)
 
 
+def test_a_message_over_the_proxy_limit_never_reaches_a_replica(channel: grpc.Channel, server: Server) -> None:
+    """Ray's proxy takes at most the largest request limit (+64 KiB), not its default 2 GiB."""
+    models = model_pb2_grpc.ModelServiceStub(channel)
+    request = model_pb2.TokenizeRequest(model=SINGLE, text="x" * (12 << 20))
+    status, elapsed, _ = answer(
+        "Tokenize: 12 MiB (over the proxy's limit)", lambda: models.Tokenize(request, metadata=MD, timeout=30)
+    )
+    assert status == "RESOURCE_EXHAUSTED" and elapsed < FAST_S, (status, elapsed)
+    with pytest.raises(grpc.RpcError) as refused:
+        models.Tokenize(request, metadata=MD, timeout=30)
+    assert "larger than max" in str(refused.value.details())  # gRPC's own check, in the proxy
+
+
 def test_bad_histories_are_invalid(sessions: Any) -> None:
     sid = new_session(sessions)
     for case, messages in (

@@ -160,3 +160,12 @@ def test_several_replicas_without_a_secret_are_refused(monkeypatch: pytest.Monke
             preflight(config)
     monkeypatch.setenv("HOTLOOP_SESSION_SECRET", "s" * 40)
     assert session_secret(config_from_dict({"models": [{"name": "b", "replicas": 2}]})) == "s" * 40
+
+
+def test_the_proxy_message_limit_follows_the_request_limit() -> None:
+    from hotloop_serve.serve.app import PROXY_MESSAGE_SLACK, proxy_message_limit
+
+    config = config_from_dict(
+        {"models": [{"name": "a", "limits": {"max_request_bytes": 1 << 20}}, {"name": "b"}]}
+    )  # b keeps the default 4 MiB
+    assert proxy_message_limit(config) == (4 << 20) + PROXY_MESSAGE_SLACK
