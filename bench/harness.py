@@ -42,7 +42,6 @@ HOTLOOP_CLI = REPO / ".venv" / "bin" / "hotloop-serve"
 MODEL_NAME = "gemma-3-270m"
 
 GiB = 1024**3
-MiB = 1024**2
 READY_TIMEOUT_S = 600.0
 STOP_GRACE_S = 60.0
 REQUEST_TIMEOUT_S = 3600.0
