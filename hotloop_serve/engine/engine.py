@@ -318,10 +318,16 @@ class Engine:
         return SessionBlob(self.fingerprint, tokens if kv else [], s.settings, kv).encode()
 
     def import_session(
-        self, session_id: str, owner: str, data: bytes, settings: SamplingSettings | None = None
+        self,
+        session_id: str,
+        owner: str,
+        data: bytes,
+        settings: SamplingSettings | None = None,
+        keep: Sequence[ChatMessage] | None = None,
     ) -> SessionInfo:
-        """Create ``session_id`` from an exported blob, hot. Damaged data is INVALID_ARGUMENT and a
-        blob of another model FAILED_PRECONDITION; either way nothing of it stays behind."""
+        """Create ``session_id`` from an exported blob, hot; ``keep``: only the cache of this prefix
+        of its history (a fork). Damaged data is INVALID_ARGUMENT and a blob of another model
+        FAILED_PRECONDITION; either way nothing of it stays behind."""
         blob = SessionBlob.decode(data, self.fingerprint)
         if any(not 0 <= t < self.model.n_vocab for t in blob.tokens):
             raise InvalidArgument("session export holds tokens outside this model's vocabulary")
@@ -331,6 +337,7 @@ class Engine:
             )
         settings = settings or blob.settings
         self.validate(settings)
+        keep_tokens = self.render(keep, add_generation_prompt=False) if keep else None
         with self._lock:
             self._check_alive()
             if self._sessions.get(session_id) is not None:
@@ -342,7 +349,10 @@ class Engine:
                 return True
             self.kv.adopt(s, blob.tokens, to_kv_bytes(blob.kv))
             protect = [r.session for r in self.scheduler.running]
-            return self.kv.acquire(s, protect) and self.kv.restore(s, protect) == len(blob.tokens) > 0
+            ok = self.kv.acquire(s, protect) and self.kv.restore(s, protect) == len(blob.tokens) > 0
+            if ok and keep_tokens is not None:
+                self.kv.cut(s, common_prefix(s.tokens, keep_tokens))
+            return ok
 
         if not self._call(place):
             self._call(lambda: self._forget(s))

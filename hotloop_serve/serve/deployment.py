@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 from typing import Any
@@ -14,8 +15,9 @@ from hotloop_serve.engine.engine import Engine
 from hotloop_serve.engine.settings import SamplingSettings
 from hotloop_serve.serve.auth import Authenticator, describe_tokens, load_tokens
 from hotloop_serve.serve.model_source import resolve_model_path
+from hotloop_serve.serve.router import rendezvous_order
 from hotloop_serve.serve.servicer import ModelServicer
-from hotloop_serve.serve.session_ids import SessionIds
+from hotloop_serve.serve.session_ids import SessionIds, new_routing_key
 from hotloop_serve.telemetry import Telemetry, configure_telemetry
 from hotloop_serve.telemetry.setup import shutdown_telemetry
 
@@ -70,6 +72,52 @@ class ModelReplica(ModelServicer):
         handle = serve.get_deployment_handle(self._deployment, self._app)
         result: spb.Session = await handle.CreateSessionFor.remote(request, principal)
         return result
+
+    async def _ranks(self) -> list[str]:
+        """The ranks the routers hash on now (0..N-1 for N running replicas)."""
+        return [str(r) for r in range(max(1, await asyncio.to_thread(self._running_replicas), self._rank + 1))]
+
+    async def colocated_key(self, preferred: str) -> str:
+        """A routing key this replica owns (a fork then stays next to its source's cache)."""
+        ranks = await self._ranks()
+        mine = ranks.index(str(self._rank))
+        for _ in range(64 * len(ranks)):
+            key = preferred or new_routing_key()
+            if rendezvous_order(key, ranks)[0] == mine:
+                return key
+            preferred = ""
+        return preferred or new_routing_key()
+
+    async def route_list(self, principal: str) -> list[spb.Session]:
+        """This replica's sessions, and every other replica's: one call per rank, each steered by a
+        key that rank owns (a call to itself through the handle is not made)."""
+        handle = serve.get_deployment_handle(self._deployment, self._app)
+        ranks = await self._ranks()
+        keys: dict[int, str] = {}
+        for _ in range(64 * len(ranks)):
+            key = new_routing_key()
+            keys.setdefault(rendezvous_order(key, ranks)[0], key)
+            if len(keys) == len(ranks):
+                break
+        mine = ranks.index(str(self._rank))
+        calls = [
+            handle.ListFor.remote(spb.ImportSessionRequest(session_key=k), principal)
+            for rank, k in keys.items()
+            if rank != mine
+        ]
+        seen = {s.id: s for s in await self.ListFor(spb.ImportSessionRequest(), principal)}
+        for sessions in await asyncio.gather(*calls):
+            for session in sessions:
+                seen.setdefault(session.id, session)
+        return list(seen.values())
+
+    def _running_replicas(self) -> int:
+        try:
+            app = serve.status().applications[self._app]
+            states = app.deployments[self._deployment].replica_states
+            return int(sum(n for state, n in states.items() if str(state).endswith("RUNNING")))
+        except Exception:  # the controller is unreachable: this replica's own answer is better than none
+            return 1
 
     def stats(self) -> dict[str, Any]:
         """The engine's counters (for operators' scripts and leak checks), via a deployment handle."""

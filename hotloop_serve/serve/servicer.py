@@ -24,7 +24,7 @@ from hotloop.v1 import session_pb2 as spb
 from hotloop_serve.config import Config, ModelConfig
 from hotloop_serve.engine.engine import Engine
 from hotloop_serve.engine.stream import RequestStream
-from hotloop_serve.errors import NotFound, ResourceExhausted
+from hotloop_serve.errors import InvalidArgument, NotFound, ResourceExhausted
 from hotloop_serve.serve import convert
 from hotloop_serve.serve.auth import Authenticator
 from hotloop_serve.serve.session_ids import SessionIds, new_routing_key
@@ -32,6 +32,12 @@ from hotloop_serve.serve.status import set_status
 from hotloop_serve.telemetry import RpcSpan, Telemetry
 
 _CLOSED_REMEMBERED = 4096
+
+TRANSFER_PART_BYTES = 1 << 20
+"""Largest part of an exported or imported session blob in one message (under any sane
+``max_request_bytes``)."""
+IMPORT_TTL_S = 300.0
+"""An import whose next part does not come within this time is forgotten."""
 
 HEALTH_WATCHES = 2
 """``grpc.health.v1.Health/Watch`` streams one replica holds at once. Each holds one of the
@@ -125,6 +131,7 @@ class ModelServicer:
         self.telemetry = telemetry
         self.served_by = pb.ServedBy(replica=replica_id, replica_rank=replica_rank)
         self._closed: OrderedDict[str, None] = OrderedDict()
+        self._imports: dict[tuple[str, str], tuple[bytearray, float]] = {}
         self._watches = 0
 
     # -- helpers -----------------------------------------------------------------------
@@ -167,6 +174,7 @@ class ModelServicer:
             context_tokens=info.context_tokens if info else 0,
             state=info.state if info else "new",
             served_by=by,
+            last_used_unix=info.last_used if info else 0.0,
         )
 
     # -- ModelService ------------------------------------------------------------------
@@ -268,6 +276,110 @@ class ModelServicer:
             self._closed.popitem(last=False)
         return spb.CloseSessionResponse()
 
+    # -- session operations: fork, list, export, import --------------------------------
+    @unary(spb.Session)
+    async def ForkSession(self, request: spb.ForkSessionRequest, principal: str, span: RpcSpan) -> spb.Session:
+        """Runs on the source's owner and forks there, under a routing key this replica owns:
+        the copy is made in KV memory (``seq_cp``) and every turn of the fork comes back here."""
+        self._check_size(request)
+        source = self._session(request.session_id, principal)
+        if not self.engine.known(source):
+            raise NotFound(f"session {request.session_id!r} has no cache on this server (it was never used)")
+        keep = convert.messages_from_proto(request.messages, self.model.limits.max_messages) or None
+        settings = (
+            convert.settings_from_proto(request.settings, self.engine.settings_of(source, principal))
+            if convert.has_settings(request.settings)
+            else None
+        )
+        sid = self.ids.new(principal, await self.colocated_key(request.session_key))
+        await asyncio.to_thread(self.engine.fork_session, source, principal, sid, keep, settings)
+        span.set_attribute("hotloop.session_id", sid)
+        return self._session_proto(sid, principal)
+
+    async def colocated_key(self, preferred: str) -> str:
+        """A routing key owned by this replica (overridden where replicas exist)."""
+        return preferred or new_routing_key()
+
+    @unary(spb.ListSessionsResponse)
+    async def ListSessions(
+        self, request: spb.ListSessionsRequest, principal: str, span: RpcSpan
+    ) -> spb.ListSessionsResponse:
+        self._check_model(request.model)
+        sessions = await self.route_list(principal)
+        sessions.sort(key=lambda s: s.last_used_unix, reverse=True)
+        return spb.ListSessionsResponse(sessions=sessions)
+
+    async def ListFor(self, target: spb.ImportSessionRequest, principal: str) -> list[spb.Session]:
+        """The caller's sessions on this replica (``target`` only steers the router here)."""
+        return [self._session_proto(info.id, principal) for info in self.engine.list_sessions(principal)]
+
+    async def route_list(self, principal: str) -> list[spb.Session]:
+        """Every replica's :meth:`ListFor`; overridden where replicas exist."""
+        return await self.ListFor(spb.ImportSessionRequest(), principal)
+
+    async def ExportSession(
+        self, request: spb.ExportSessionRequest, grpc_context: Any = None
+    ) -> AsyncIterator[spb.ExportSessionChunk]:
+        """Server-streaming: the session's blob in parts of :data:`TRANSFER_PART_BYTES`."""
+        try:
+            with self.telemetry.rpc("ExportSession", grpc_context) as span:
+                principal = self._principal(grpc_context)
+                sid = self._session(request.session_id, principal)
+                span.set_attribute("hotloop.session_id", sid)
+                if not self.engine.known(sid):
+                    raise NotFound(f"session {request.session_id!r} has no cache on this server (it was never used)")
+                blob = await asyncio.to_thread(self.engine.export_session, sid, principal)
+                for start in range(0, len(blob), TRANSFER_PART_BYTES):
+                    yield spb.ExportSessionChunk(data=blob[start : start + TRANSFER_PART_BYTES], total_bytes=len(blob))
+        except (GeneratorExit, asyncio.CancelledError):
+            raise
+        except Exception as e:
+            set_status(grpc_context, e)
+            raise  # a stream's status reaches the proxy with an exception (see Generate)
+
+    @unary(spb.Session)
+    async def ImportSession(self, request: spb.ImportSessionRequest, principal: str, span: RpcSpan) -> spb.Session:
+        """Collect the parts of a blob (in order, one key at a time), then import it here."""
+        self._check_model(request.model)
+        if len(request.data) > TRANSFER_PART_BYTES:
+            raise InvalidArgument(f"an import part holds at most {TRANSFER_PART_BYTES} bytes, got {len(request.data)}")
+        limit = self.engine.options.evicted_bytes
+        if request.total_bytes > limit:
+            raise ResourceExhausted(
+                f"an import holds at most {limit} bytes (engine.evicted_bytes); got {request.total_bytes}"
+            )
+        if not request.session_key:
+            raise InvalidArgument("session_key is required: every part of one import sends the same key")
+        sid = self.ids.new(principal, request.session_key)  # validates the key
+        now = time.monotonic()
+        for k in [k for k, (_, t) in self._imports.items() if now - t > IMPORT_TTL_S]:
+            del self._imports[k]
+        slot = (principal, request.session_key)
+        buf, _ = self._imports.get(slot, (bytearray(), now))
+        if request.offset == 0:
+            buf = bytearray()
+        if request.offset != len(buf):
+            self._imports.pop(slot, None)
+            raise InvalidArgument(
+                f"import part at offset {request.offset}, expected {len(buf)}: send the parts in order from 0"
+            )
+        buf += request.data
+        if len(buf) > request.total_bytes:
+            self._imports.pop(slot, None)
+            raise InvalidArgument(f"import parts exceed total_bytes={request.total_bytes}")
+        if len(buf) < request.total_bytes:
+            self._imports[slot] = (buf, now)
+            return spb.Session(model=self.model.name, state="importing", context_tokens=0)
+        self._imports.pop(slot, None)
+        settings = (
+            convert.settings_from_proto(request.settings, self.engine.defaults)
+            if convert.has_settings(request.settings)
+            else None
+        )
+        await asyncio.to_thread(self.engine.import_session, sid, principal, bytes(buf), settings)
+        span.set_attribute("hotloop.session_id", sid)
+        return self._session_proto(sid, principal)
+
     @unary(spb.WarmupResponse)
     async def Warmup(self, request: spb.WarmupRequest, principal: str, span: RpcSpan) -> spb.WarmupResponse:
         self._check_size(request)
@@ -332,6 +444,7 @@ class ModelServicer:
             # A stream's status reaches Ray's proxy only with a message or an exception:
             # raising after set_code makes the proxy send our code and details.
             raise
+
     # -- grpc.health.v1 ------------------------------------------------------------------
     def serving(self) -> bool:
         """Loaded, scheduler alive, and room for one more session."""
@@ -367,5 +480,3 @@ class ModelServicer:
                 await asyncio.sleep(1.0)
         finally:
             self._watches -= 1
-
-

@@ -12,6 +12,7 @@ Everything public is re-exported here; the ``_private`` modules may change at an
 """
 
 from ._async_client import AsyncClient, AsyncModel, AsyncSession
+from ._base import with_message_replaced, without_last_reply
 from ._client import Client, Model, Session
 from ._errors import (
     Cancelled,
@@ -75,4 +76,6 @@ __all__ = [
     "Unauthenticated",
     "Unavailable",
     "Usage",
+    "with_message_replaced",
+    "without_last_reply",
 ]

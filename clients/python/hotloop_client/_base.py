@@ -130,6 +130,7 @@ def backoff(retry_delay: float, attempt: int, rng: Callable[[], float] = random.
     full = min(MAX_RETRY_DELAY_S, retry_delay * 2.0 ** (attempt - 1))
     return full / 2 + rng() * full / 2
 
+
 _ACTOR_DIED_MARKERS = ("actor died", "actordiederror", "rayactorerror", "replica")
 
 
@@ -240,6 +241,51 @@ def as_messages(history: Iterable[MessageLike]) -> list[Message]:
     return messages
 
 
+def without_last_reply(history: HistoryLike) -> list[Message]:
+    """The history to send to regenerate its last reply: everything before the final assistant
+    message (the server reuses the cache up to there)."""
+    messages = as_messages(history)
+    if not messages or messages[-1].role != Role.ASSISTANT:
+        raise ValueError("the history does not end with an assistant reply to regenerate")
+    return messages[:-1]
+
+
+def with_message_replaced(history: HistoryLike, index: int, content: str) -> list[Message]:
+    """The history to send after editing message ``index``: it, changed, and everything before it.
+
+    What followed the edited message belonged to the old branch. The server reuses the cache
+    exactly up to the first token that differs, so an early edit costs only the tokens after it.
+    """
+    messages = as_messages(history)
+    if not -len(messages) <= index < len(messages):
+        raise IndexError(f"message {index} is not in a history of {len(messages)}")
+    index %= len(messages)
+    return [*messages[:index], Message(messages[index].role, content)]
+
+
+IMPORT_PART_BYTES = 1 << 20
+"""Size of each ImportSession part (the server accepts up to 1 MiB per part)."""
+
+
+def import_requests(
+    model: str, key: str, data: bytes, settings: Settings | None
+) -> list[session_pb2.ImportSessionRequest]:
+    """An exported blob as the ordered ImportSession parts, all with the same routing key."""
+    parts = [data[i : i + IMPORT_PART_BYTES] for i in range(0, len(data), IMPORT_PART_BYTES)] or [b""]
+    proto_settings = settings_to_proto(settings) if settings is not None else None
+    return [
+        session_pb2.ImportSessionRequest(
+            model=model,
+            session_key=key,
+            settings=proto_settings,
+            data=part,
+            offset=i * IMPORT_PART_BYTES,
+            total_bytes=len(data),
+        )
+        for i, part in enumerate(parts)
+    ]
+
+
 def messages_to_proto(history: Iterable[MessageLike]) -> list[common_pb2.Message]:
     """``Message``s (or pairs) as ``hotloop.v1.Message`` protos."""
     return [common_pb2.Message(role=_ROLE_TO_PROTO[m.role], content=m.content) for m in as_messages(history)]
@@ -334,6 +380,7 @@ def session_info_from_proto(pb: session_pb2.Session) -> SessionInfo:
         context_tokens=pb.context_tokens,
         state=pb.state,
         served_by=served_by_from_proto(pb.served_by) if pb.HasField("served_by") else None,
+        last_used=pb.last_used_unix,
     )
 
 

@@ -191,6 +191,28 @@ class Model:
         state.apply(pb, settings)
         return Session(client, state)
 
+    def list_sessions(self, *, timeout: float | None = None) -> list[SessionInfo]:
+        """Your sessions of this model on every replica, most recently used first."""
+        client = self._client
+        request = session_pb2.ListSessionsRequest(model=self.name)
+        pb = client._unary(client._stubs.sessions.ListSessions, request, self.name, timeout)
+        return [_base.session_info_from_proto(s) for s in pb.sessions]
+
+    def import_session(
+        self, data: bytes, settings: Settings | None = None, *, timeout: float | None = None
+    ) -> Session:
+        """A new session from :meth:`AsyncSession.export`'s bytes (from this server or another of
+        the same model); its next turn reuses the imported cache."""
+        client = self._client
+        key = _base.new_session_key()
+        pb = None
+        for request in _base.import_requests(self.name, key, data, settings):
+            pb = client._unary(client._stubs.sessions.ImportSession, request, self.name, timeout, key)
+        assert pb is not None
+        state = _base.SessionState(id=pb.id, model=self.name, settings=settings or Settings())
+        state.apply(pb, settings or Settings())
+        return Session(client, state)
+
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name!r} at {self._client.address}>"
 
@@ -255,6 +277,52 @@ class Session:
                 # frees the server's slot at once instead of generating into the void.
                 call.cancel()
             time.sleep(client._base.backoff(progress.attempts - 1))
+
+    def regenerate(
+        self, history: HistoryLike, *, timeout: float | None = None, **overrides: Any
+    ) -> Generator[Chunk, None]:
+        """Stream a new version of ``history``'s last reply (it must end with an assistant message).
+
+        The client owns the history: rewinding is sending a shorter or edited one. The server
+        reuses the cache up to the first token that differs (see :func:`with_message_replaced`).
+        """
+        return self.generate(_base.without_last_reply(history), timeout=timeout, **overrides)
+
+    def fork(
+        self, history: HistoryLike | None = None, settings: Settings | None = None, *, timeout: float | None = None
+    ) -> Session:
+        """A new session starting with this one's cache: all of it, or only up to ``history`` (a
+        prefix of this session's conversation). Copied in the server's KV cache, not prefilled
+        again; settings default to this session's."""
+        client = self._client
+        settings = settings or self._state.settings
+        request = session_pb2.ForkSessionRequest(
+            session_id=self.id,
+            messages=_base.messages_to_proto(history or ()),
+            settings=_base.settings_to_proto(settings),
+            session_key=_base.new_session_key(),
+        )
+        pb = self._call(client._stubs.sessions.ForkSession, request, timeout)
+        state = _base.SessionState(id=pb.id, model=self.model, settings=settings)
+        state.apply(pb, settings)
+        return Session(client, state)
+
+    def export(self, *, timeout: float | None = None) -> bytes:
+        """The session's cache (tokens, KV state, settings, model fingerprint) as one blob, for
+        :meth:`AsyncModel.import_session` on any server of the same model."""
+        client = self._client
+        metadata = client._base.metadata(self._state.model, self._state.key)
+        deadline = client._base.deadline(timeout, unary=True)
+        request = session_pb2.ExportSessionRequest(session_id=self.id)
+        parts: list[bytes] = []
+        try:
+            for pb in client._stubs.sessions.ExportSession(
+                request, metadata=metadata, timeout=deadline.remaining()
+            ):
+                parts.append(pb.data)
+        except grpc.RpcError as exc:
+            raise from_rpc_error(exc) from exc
+        return b"".join(parts)
 
     def warmup(self, history: HistoryLike, *, timeout: float | None = None) -> Usage:
         """Prefill ``history`` (e.g. a system prompt) into the cache without generating."""

@@ -201,3 +201,5 @@ class SessionInfo:
     state: str = ""
     """"new", "hot", "evicted" or "dropped"."""
     served_by: ServedBy | None = None
+    last_used: float = 0.0
+    """When the session last served a request (Unix seconds; 0 if never)."""

@@ -59,12 +59,15 @@ class Session(_message.Message):
     CONTEXT_TOKENS_FIELD_NUMBER: _builtins.int
     STATE_FIELD_NUMBER: _builtins.int
     SERVED_BY_FIELD_NUMBER: _builtins.int
+    LAST_USED_UNIX_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     model: _builtins.str
     context_tokens: _builtins.int
     """tokens held in the session's KV cache (hot or evicted)"""
     state: _builtins.str
     """"new", "hot", "evicted", "dropped" """
+    last_used_unix: _builtins.float
+    """when the session last served a request (Unix seconds)"""
     @_builtins.property
     def settings(self) -> _common_pb2.Settings:
         """the session's settings, every field filled in"""
@@ -80,10 +83,11 @@ class Session(_message.Message):
         context_tokens: _builtins.int = ...,
         state: _builtins.str = ...,
         served_by: _common_pb2.ServedBy | None = ...,
+        last_used_unix: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["served_by", b"served_by", "settings", b"settings"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["context_tokens", b"context_tokens", "id", b"id", "model", b"model", "served_by", b"served_by", "settings", b"settings", "state", b"state"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["context_tokens", b"context_tokens", "id", b"id", "last_used_unix", b"last_used_unix", "model", b"model", "served_by", b"served_by", "settings", b"settings", "state", b"state"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -313,3 +317,165 @@ class CloseSessionResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___CloseSessionResponse: _TypeAlias = CloseSessionResponse  # noqa: Y015
+
+@_typing.final
+class ForkSessionRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SESSION_ID_FIELD_NUMBER: _builtins.int
+    MESSAGES_FIELD_NUMBER: _builtins.int
+    SETTINGS_FIELD_NUMBER: _builtins.int
+    SESSION_KEY_FIELD_NUMBER: _builtins.int
+    session_id: _builtins.str
+    """the session to fork"""
+    session_key: _builtins.str
+    """routing key of the new session (as in CreateSession)"""
+    @_builtins.property
+    def messages(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.Message]:
+        """Keep the source's cache up to this prefix of its history (e.g. the first k messages);
+        empty: all of it.
+        """
+
+    @_builtins.property
+    def settings(self) -> _common_pb2.Settings:
+        """the fork's settings; absent: the source's"""
+
+    def __init__(
+        self,
+        *,
+        session_id: _builtins.str = ...,
+        messages: _abc.Iterable[_common_pb2.Message] | None = ...,
+        settings: _common_pb2.Settings | None = ...,
+        session_key: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["settings", b"settings"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["messages", b"messages", "session_id", b"session_id", "session_key", b"session_key", "settings", b"settings"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ForkSessionRequest: _TypeAlias = ForkSessionRequest  # noqa: Y015
+
+@_typing.final
+class ListSessionsRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MODEL_FIELD_NUMBER: _builtins.int
+    model: _builtins.str
+    def __init__(
+        self,
+        *,
+        model: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["model", b"model"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListSessionsRequest: _TypeAlias = ListSessionsRequest  # noqa: Y015
+
+@_typing.final
+class ListSessionsResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SESSIONS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def sessions(self) -> _containers.RepeatedCompositeFieldContainer[Global___Session]:
+        """most recently used first"""
+
+    def __init__(
+        self,
+        *,
+        sessions: _abc.Iterable[Global___Session] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["sessions", b"sessions"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListSessionsResponse: _TypeAlias = ListSessionsResponse  # noqa: Y015
+
+@_typing.final
+class ExportSessionRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SESSION_ID_FIELD_NUMBER: _builtins.int
+    session_id: _builtins.str
+    def __init__(
+        self,
+        *,
+        session_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["session_id", b"session_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ExportSessionRequest: _TypeAlias = ExportSessionRequest  # noqa: Y015
+
+@_typing.final
+class ExportSessionChunk(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    DATA_FIELD_NUMBER: _builtins.int
+    TOTAL_BYTES_FIELD_NUMBER: _builtins.int
+    data: _builtins.bytes
+    total_bytes: _builtins.int
+    """the whole blob's size (on every chunk)"""
+    def __init__(
+        self,
+        *,
+        data: _builtins.bytes = ...,
+        total_bytes: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["data", b"data", "total_bytes", b"total_bytes"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ExportSessionChunk: _TypeAlias = ExportSessionChunk  # noqa: Y015
+
+@_typing.final
+class ImportSessionRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MODEL_FIELD_NUMBER: _builtins.int
+    SESSION_KEY_FIELD_NUMBER: _builtins.int
+    SETTINGS_FIELD_NUMBER: _builtins.int
+    DATA_FIELD_NUMBER: _builtins.int
+    OFFSET_FIELD_NUMBER: _builtins.int
+    TOTAL_BYTES_FIELD_NUMBER: _builtins.int
+    model: _builtins.str
+    session_key: _builtins.str
+    """routing key of the new session; every part sends the same"""
+    data: _builtins.bytes
+    """this part of the blob"""
+    offset: _builtins.int
+    """where this part starts in the blob"""
+    total_bytes: _builtins.int
+    """the blob's size"""
+    @_builtins.property
+    def settings(self) -> _common_pb2.Settings:
+        """absent: the exported session's settings"""
+
+    def __init__(
+        self,
+        *,
+        model: _builtins.str = ...,
+        session_key: _builtins.str = ...,
+        settings: _common_pb2.Settings | None = ...,
+        data: _builtins.bytes = ...,
+        offset: _builtins.int = ...,
+        total_bytes: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["settings", b"settings"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["data", b"data", "model", b"model", "offset", b"offset", "session_key", b"session_key", "settings", b"settings", "total_bytes", b"total_bytes"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ImportSessionRequest: _TypeAlias = ImportSessionRequest  # noqa: Y015

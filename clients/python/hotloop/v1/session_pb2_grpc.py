@@ -70,6 +70,26 @@ class SessionServiceStub:
                 request_serializer=hotloop_dot_v1_dot_session__pb2.CloseSessionRequest.SerializeToString,
                 response_deserializer=hotloop_dot_v1_dot_session__pb2.CloseSessionResponse.FromString,
                 _registered_method=True)
+        self.ForkSession = channel.unary_unary(
+                '/hotloop.v1.SessionService/ForkSession',
+                request_serializer=hotloop_dot_v1_dot_session__pb2.ForkSessionRequest.SerializeToString,
+                response_deserializer=hotloop_dot_v1_dot_session__pb2.Session.FromString,
+                _registered_method=True)
+        self.ListSessions = channel.unary_unary(
+                '/hotloop.v1.SessionService/ListSessions',
+                request_serializer=hotloop_dot_v1_dot_session__pb2.ListSessionsRequest.SerializeToString,
+                response_deserializer=hotloop_dot_v1_dot_session__pb2.ListSessionsResponse.FromString,
+                _registered_method=True)
+        self.ExportSession = channel.unary_stream(
+                '/hotloop.v1.SessionService/ExportSession',
+                request_serializer=hotloop_dot_v1_dot_session__pb2.ExportSessionRequest.SerializeToString,
+                response_deserializer=hotloop_dot_v1_dot_session__pb2.ExportSessionChunk.FromString,
+                _registered_method=True)
+        self.ImportSession = channel.unary_unary(
+                '/hotloop.v1.SessionService/ImportSession',
+                request_serializer=hotloop_dot_v1_dot_session__pb2.ImportSessionRequest.SerializeToString,
+                response_deserializer=hotloop_dot_v1_dot_session__pb2.Session.FromString,
+                _registered_method=True)
 
 
 class SessionServiceServicer:
@@ -119,6 +139,37 @@ class SessionServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ForkSession(self, request, context):
+        """A new session that starts with another one's cache (whole, or up to a prefix of its
+        history), copied at the KV level: its next turn reports those tokens as cached.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListSessions(self, request, context):
+        """The caller's sessions on every replica of the model.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ExportSession(self, request, context):
+        """Streams a session's cache out: tokens, KV state, settings and the model's fingerprint,
+        in one self-checking blob cut into chunks.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ImportSession(self, request, context):
+        """Creates a session from an exported blob, sent in order in parts of at most 1 MiB (calls
+        with the same session_key); the call carrying the last part returns the new session.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SessionServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -156,6 +207,26 @@ def add_SessionServiceServicer_to_server(servicer, server):
                     servicer.CloseSession,
                     request_deserializer=hotloop_dot_v1_dot_session__pb2.CloseSessionRequest.FromString,
                     response_serializer=hotloop_dot_v1_dot_session__pb2.CloseSessionResponse.SerializeToString,
+            ),
+            'ForkSession': grpc.unary_unary_rpc_method_handler(
+                    servicer.ForkSession,
+                    request_deserializer=hotloop_dot_v1_dot_session__pb2.ForkSessionRequest.FromString,
+                    response_serializer=hotloop_dot_v1_dot_session__pb2.Session.SerializeToString,
+            ),
+            'ListSessions': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListSessions,
+                    request_deserializer=hotloop_dot_v1_dot_session__pb2.ListSessionsRequest.FromString,
+                    response_serializer=hotloop_dot_v1_dot_session__pb2.ListSessionsResponse.SerializeToString,
+            ),
+            'ExportSession': grpc.unary_stream_rpc_method_handler(
+                    servicer.ExportSession,
+                    request_deserializer=hotloop_dot_v1_dot_session__pb2.ExportSessionRequest.FromString,
+                    response_serializer=hotloop_dot_v1_dot_session__pb2.ExportSessionChunk.SerializeToString,
+            ),
+            'ImportSession': grpc.unary_unary_rpc_method_handler(
+                    servicer.ImportSession,
+                    request_deserializer=hotloop_dot_v1_dot_session__pb2.ImportSessionRequest.FromString,
+                    response_serializer=hotloop_dot_v1_dot_session__pb2.Session.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -347,6 +418,114 @@ class SessionService:
             '/hotloop.v1.SessionService/CloseSession',
             hotloop_dot_v1_dot_session__pb2.CloseSessionRequest.SerializeToString,
             hotloop_dot_v1_dot_session__pb2.CloseSessionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ForkSession(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/hotloop.v1.SessionService/ForkSession',
+            hotloop_dot_v1_dot_session__pb2.ForkSessionRequest.SerializeToString,
+            hotloop_dot_v1_dot_session__pb2.Session.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListSessions(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/hotloop.v1.SessionService/ListSessions',
+            hotloop_dot_v1_dot_session__pb2.ListSessionsRequest.SerializeToString,
+            hotloop_dot_v1_dot_session__pb2.ListSessionsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ExportSession(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/hotloop.v1.SessionService/ExportSession',
+            hotloop_dot_v1_dot_session__pb2.ExportSessionRequest.SerializeToString,
+            hotloop_dot_v1_dot_session__pb2.ExportSessionChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ImportSession(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/hotloop.v1.SessionService/ImportSession',
+            hotloop_dot_v1_dot_session__pb2.ImportSessionRequest.SerializeToString,
+            hotloop_dot_v1_dot_session__pb2.Session.FromString,
             options,
             channel_credentials,
             insecure,

@@ -41,6 +41,20 @@ class SessionServiceStub:
     UpdateSettings: _grpc.UnaryUnaryMultiCallable[_session_pb2.UpdateSettingsRequest, _session_pb2.Session]
     ClearCache: _grpc.UnaryUnaryMultiCallable[_session_pb2.ClearCacheRequest, _session_pb2.Session]
     CloseSession: _grpc.UnaryUnaryMultiCallable[_session_pb2.CloseSessionRequest, _session_pb2.CloseSessionResponse]
+    ForkSession: _grpc.UnaryUnaryMultiCallable[_session_pb2.ForkSessionRequest, _session_pb2.Session]
+    """A new session that starts with another one's cache (whole, or up to a prefix of its
+    history), copied at the KV level: its next turn reports those tokens as cached.
+    """
+    ListSessions: _grpc.UnaryUnaryMultiCallable[_session_pb2.ListSessionsRequest, _session_pb2.ListSessionsResponse]
+    """The caller's sessions on every replica of the model."""
+    ExportSession: _grpc.UnaryStreamMultiCallable[_session_pb2.ExportSessionRequest, _session_pb2.ExportSessionChunk]
+    """Streams a session's cache out: tokens, KV state, settings and the model's fingerprint,
+    in one self-checking blob cut into chunks.
+    """
+    ImportSession: _grpc.UnaryUnaryMultiCallable[_session_pb2.ImportSessionRequest, _session_pb2.Session]
+    """Creates a session from an exported blob, sent in order in parts of at most 1 MiB (calls
+    with the same session_key); the call carrying the last part returns the new session.
+    """
 
 @_typing.type_check_only
 class SessionServiceAsyncStub(SessionServiceStub):
@@ -54,6 +68,20 @@ class SessionServiceAsyncStub(SessionServiceStub):
     UpdateSettings: _aio.UnaryUnaryMultiCallable[_session_pb2.UpdateSettingsRequest, _session_pb2.Session]  # type: ignore[assignment]
     ClearCache: _aio.UnaryUnaryMultiCallable[_session_pb2.ClearCacheRequest, _session_pb2.Session]  # type: ignore[assignment]
     CloseSession: _aio.UnaryUnaryMultiCallable[_session_pb2.CloseSessionRequest, _session_pb2.CloseSessionResponse]  # type: ignore[assignment]
+    ForkSession: _aio.UnaryUnaryMultiCallable[_session_pb2.ForkSessionRequest, _session_pb2.Session]  # type: ignore[assignment]
+    """A new session that starts with another one's cache (whole, or up to a prefix of its
+    history), copied at the KV level: its next turn reports those tokens as cached.
+    """
+    ListSessions: _aio.UnaryUnaryMultiCallable[_session_pb2.ListSessionsRequest, _session_pb2.ListSessionsResponse]  # type: ignore[assignment]
+    """The caller's sessions on every replica of the model."""
+    ExportSession: _aio.UnaryStreamMultiCallable[_session_pb2.ExportSessionRequest, _session_pb2.ExportSessionChunk]  # type: ignore[assignment]
+    """Streams a session's cache out: tokens, KV state, settings and the model's fingerprint,
+    in one self-checking blob cut into chunks.
+    """
+    ImportSession: _aio.UnaryUnaryMultiCallable[_session_pb2.ImportSessionRequest, _session_pb2.Session]  # type: ignore[assignment]
+    """Creates a session from an exported blob, sent in order in parts of at most 1 MiB (calls
+    with the same session_key); the call carrying the last part returns the new session.
+    """
 
 class SessionServiceServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -106,5 +134,43 @@ class SessionServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _session_pb2.CloseSessionRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_session_pb2.CloseSessionResponse, _abc.Awaitable[_session_pb2.CloseSessionResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def ForkSession(
+        self,
+        request: _session_pb2.ForkSessionRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_session_pb2.Session, _abc.Awaitable[_session_pb2.Session]]:
+        """A new session that starts with another one's cache (whole, or up to a prefix of its
+        history), copied at the KV level: its next turn reports those tokens as cached.
+        """
+
+    @_abc_1.abstractmethod
+    def ListSessions(
+        self,
+        request: _session_pb2.ListSessionsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_session_pb2.ListSessionsResponse, _abc.Awaitable[_session_pb2.ListSessionsResponse]]:
+        """The caller's sessions on every replica of the model."""
+
+    @_abc_1.abstractmethod
+    def ExportSession(
+        self,
+        request: _session_pb2.ExportSessionRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_session_pb2.ExportSessionChunk], _abc.AsyncIterator[_session_pb2.ExportSessionChunk]]:
+        """Streams a session's cache out: tokens, KV state, settings and the model's fingerprint,
+        in one self-checking blob cut into chunks.
+        """
+
+    @_abc_1.abstractmethod
+    def ImportSession(
+        self,
+        request: _session_pb2.ImportSessionRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_session_pb2.Session, _abc.Awaitable[_session_pb2.Session]]:
+        """Creates a session from an exported blob, sent in order in parts of at most 1 MiB (calls
+        with the same session_key); the call carrying the last part returns the new session.
+        """
 
 def add_SessionServiceServicer_to_server(servicer: SessionServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
