@@ -1,7 +1,9 @@
 """Building the Ray Serve applications from the config: one application per model.
 
 Each model is its own application, named after the model, whose ingress is the model's
-deployment; clients pick it with the ``application`` gRPC metadata (the SDKs do). The same
+deployment; clients pick it with the ``application`` gRPC metadata (the SDKs do). Over HTTP the
+same deployment answers the OpenAI-compatible API under the route prefix ``/<model>``
+(``openai_http.py``). The same
 ``build_app`` is the import path of the Serve config that KubeRay deploys (``serve_config``
 renders it; the Helm chart renders the same document).
 """
@@ -18,7 +20,7 @@ from ray.serve.deployment import Application
 
 from hotloop_serve.config import Config, ModelConfig, config_from_dict
 from hotloop_serve.serve.auth import describe_tokens, load_tokens
-from hotloop_serve.serve.deployment import ModelDeployment
+from hotloop_serve.serve.openai_http import HttpModelDeployment
 from hotloop_serve.serve.servicer import HEALTH_WATCHES
 
 GRPC_SERVICER_FUNCTIONS = [
@@ -129,7 +131,8 @@ def deployment_options(model: ModelConfig) -> dict[str, Any]:
 
 
 def model_app(config: Config, model: ModelConfig, secret: str) -> Application:
-    return ModelDeployment.options(**deployment_options(model)).bind(config.model_dump(mode="json"), model.name, secret)
+    options = deployment_options(model)
+    return HttpModelDeployment.options(**options).bind(config.model_dump(mode="json"), model.name, secret)
 
 
 def build_app(args: dict[str, Any]) -> Application:

@@ -38,8 +38,9 @@ _FIELDS = ("session_id", "session_key")
 MAX_DECODED_BYTES = 64 * 1024
 """Largest proxied request the router unpickles to find a key the caller did not send as
 metadata; a larger one from a stock client is routed as keyless (Generate rebuilds the cache)."""
-SPILLS = frozenset({"Generate"})
-"""The RPCs that may run on a replica other than the session's owner."""
+SPILLS = frozenset({"Generate", "OpenAIChat"})
+"""The calls that may run on a replica other than the session's owner (each carries the whole
+history: the next-ranked replica rebuilds the cache from it)."""
 
 
 def _metadata_key(pending_request: PendingRequest) -> str | None:
@@ -125,4 +126,3 @@ class SessionAffinityRouter(RequestRouter):  # type: ignore[misc]
         tiers = [[candidate_replicas[i]] for i in order]
         method = getattr(getattr(pending_request, "metadata", None), "call_method", "")
         return tiers if method in SPILLS else tiers[:1]
-

@@ -1,0 +1,306 @@
+"""OpenAI-compatible HTTP API on Ray Serve's HTTP proxy (FastAPI), served by the model's replicas.
+
+(No ``from __future__ import annotations`` here: FastAPI reads the route methods' annotations
+through Ray's class-based view, where a string ``Request`` would not resolve; and every helper
+the routes call is defined above the class, which Ray ships by value.)
+
+Each model's application answers, under its route prefix ``/<model>``:
+
+- ``GET /v1/models`` (and ``/v1/models/{id}``): the models this server serves;
+- ``POST /v1/chat/completions``: a reply, streamed as server-sent events with ``"stream": true``.
+
+A request goes through the same bearer tokens (``Authorization: Bearer``), limits, engine and
+telemetry as the gRPC API. The replica that receives it (Ray's HTTP proxy picks any) only
+authenticates and parses; it hands the turn, as a :class:`ChatCall`, through the model's own
+deployment handle to the conversation's **owner**, which the session-affinity router picks by
+the conversation's key (``openai_schema.conversation_key``: the ``X-Session-Id`` header, else
+the conversation's opening messages, with the principal). The owner serves it from a session
+of its engine named after that key and signed for the principal, so a stateless client's
+follow-up (the same messages plus new ones) prefills only its new tokens, and
+``usage.prompt_tokens_details.cached_tokens`` says how many it reused. ``docs/openai.md``
+explains the mapping and the isolation between principals.
+"""
+
+
+import asyncio
+import functools
+import json
+import logging
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from ray import serve
+
+from hotloop_serve.engine.stream import RequestStream
+from hotloop_serve.errors import HotloopError, NotFound, ResourceExhausted
+from hotloop_serve.serve import openai_schema as oa
+from hotloop_serve.serve.deployment import ModelReplica
+from hotloop_serve.serve.servicer import _submit
+
+log = logging.getLogger("ray.serve")
+
+api = FastAPI(title="hotloop-serve (OpenAI-compatible)", docs_url=None, redoc_url=None, openapi_url=None)
+
+ALTERNATE_SESSIONS = 8
+"""Sessions one conversation key may use at once on its owner: a second request of the same
+conversation while one runs gets the next one (else the engine would supersede the first)."""
+
+
+class _TraceContext:
+    """What ``Telemetry.rpc`` reads of a gRPC context: the caller's trace headers."""
+
+    def __init__(self, traceparent: str | None) -> None:
+        self._metadata = [("traceparent", traceparent)] if traceparent else []
+
+    def invocation_metadata(self) -> list[tuple[str, str]]:
+        return self._metadata
+
+
+def peer_of(request: Request) -> str:
+    """The caller's address in gRPC's peer syntax (what ``Authenticator`` checks); unknown: not local."""
+    client = request.client
+    if client is None or not client.host:
+        return "unknown"
+    host = client.host
+    return f"ipv6:[{host}]:{client.port}" if ":" in host else f"ipv4:{host}:{client.port}"
+
+
+def error_response(e: BaseException) -> JSONResponse:
+    if isinstance(e, HotloopError):
+        status, body = oa.error_of(e)
+    else:
+        log.exception("unexpected error in the OpenAI API", exc_info=e)
+        status, body = oa.error_json("INTERNAL", f"internal error ({type(e).__name__}); the server log has details")
+    headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+def _sse(data: dict[str, Any] | str) -> bytes:
+    return f"data: {data if isinstance(data, str) else json.dumps(data, separators=(',', ':'))}\n\n".encode()
+
+
+def _as_error(error: dict[str, Any]) -> HotloopError:
+    e = HotloopError(error["message"], field=error.get("field"))
+    e.code = error["code"]
+    return e
+
+
+async def _collect(cid: str, model: str, first: dict[str, Any], items: Any) -> Response:
+    """A non-streaming reply: every item joined into one ``chat.completion``."""
+    text: list[str] = []
+    logprobs: list[dict[str, Any]] | None = None
+    item = first
+    while True:
+        if "error" in item:
+            return error_response(_as_error(item["error"]))
+        text.append(item["text"])
+        if "logprobs" in item:
+            logprobs = (logprobs or []) + item["logprobs"]
+        if "finish_reason" in item:
+            break
+        item = await items.__anext__()
+    return JSONResponse(oa.completion_json(cid, model, "".join(text), item["finish_reason"], logprobs, item["usage"]))
+
+
+async def _events(cid: str, model: str, first: dict[str, Any], items: Any, include_usage: bool) -> AsyncIterator[bytes]:
+    """Server-sent events: a role delta, content deltas, the finish reason, usage if asked, [DONE].
+    An error after the stream started is an ``{"error": ...}`` event (the OpenAI SDKs raise it)."""
+    created = int(time.time())
+    try:
+        yield _sse(oa.chunk_json(cid, model, created, {"role": "assistant", "content": ""}))
+        item = first
+        while True:
+            if "error" in item:
+                _, body = oa.error_of(_as_error(item["error"]))
+                yield _sse(body)
+                return
+            lp = item.get("logprobs")
+            if item["text"] or lp:
+                yield _sse(oa.chunk_json(cid, model, created, {"content": item["text"]}, logprobs=lp))
+            if "finish_reason" in item:
+                yield _sse(oa.chunk_json(cid, model, created, {}, item["finish_reason"]))
+                if include_usage:
+                    chunk = oa.chunk_json(cid, model, created, {})
+                    chunk["choices"] = []
+                    chunk["usage"] = oa.usage_json(item["usage"])
+                    yield _sse(chunk)
+                yield _sse("[DONE]")
+                return
+            item = await items.__anext__()
+    finally:
+        items.cancel()
+
+
+@serve.ingress(api)
+class HttpModelReplica(ModelReplica):
+    """A model replica that also answers the OpenAI-compatible HTTP API (see the module docstring)."""
+
+    def __init__(self, config: dict[str, Any], model: str, session_secret: str) -> None:
+        super().__init__(config, model, session_secret)
+        self._http_busy: set[str] = set()
+        self._http_lru: OrderedDict[str, str] = OrderedDict()  # session id -> principal, oldest first
+
+    # -- the receiving replica ------------------------------------------------------------
+    def _http_principal(self, request: Request) -> str:
+        header = request.headers.get("authorization")
+        metadata = [("authorization", header)] if header is not None else []
+        return self.auth.principal(metadata, peer_of(request))
+
+    async def _body(self, request: Request) -> bytes:
+        limit = self.model.limits.max_request_bytes
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise oa.RequestTooLarge(
+                f"request body is {declared} bytes; this server accepts at most {limit} (limits.max_request_bytes)"
+            )
+        body = await request.body()
+        if len(body) > limit:
+            raise oa.RequestTooLarge(
+                f"request body is {len(body)} bytes; this server accepts at most {limit} (limits.max_request_bytes)"
+            )
+        return body
+
+    def _model_json(self, name: str) -> dict[str, Any]:
+        return {"id": name, "object": "model", "created": 0, "owned_by": "hotloop-serve"}
+
+    @api.get("/v1/models")
+    async def list_models(self, request: Request) -> Response:
+        try:
+            self._http_principal(request)
+        except HotloopError as e:
+            return error_response(e)
+        return JSONResponse({"object": "list", "data": [self._model_json(m.name) for m in self.config.models]})
+
+    @api.get("/v1/models/{name}")
+    async def get_model(self, name: str, request: Request) -> Response:
+        try:
+            self._http_principal(request)
+            if name not in {m.name for m in self.config.models}:
+                raise NotFound(f"model {name!r} not found; GET /v1/models lists the models served")
+        except HotloopError as e:
+            return error_response(e)
+        return JSONResponse(self._model_json(name))
+
+    @api.post("/v1/chat/completions")
+    async def chat_completions(self, request: Request) -> Response:
+        try:
+            principal = self._http_principal(request)
+            req = oa.parse_request(await self._body(request))
+            if req.model != self.model.name:
+                served = [m.name for m in self.config.models]
+                where = (
+                    f"; {req.model!r} is served at /{req.model}/v1" if req.model in served else f"; served: {served}"
+                )
+                raise NotFound(f"model {req.model!r} not found at this endpoint (it serves {self.model.name!r}){where}")
+            messages = oa.messages_of(req, self.model.limits.max_messages)
+            settings = oa.settings_of(req, self.engine.defaults)
+            key = oa.conversation_key(principal, req.model, messages, request.headers.get(oa.SESSION_HEADER))
+            call = oa.ChatCall(key, principal, messages, settings, request.headers.get("traceparent"))
+            handle = serve.get_deployment_handle(self._deployment, self._app)
+            items = handle.options(stream=True, session_id=key).OpenAIChat.remote(call)
+            first = await items.__anext__()
+            if "error" in first:
+                items.cancel()
+                raise _as_error(first["error"])
+        except HotloopError as e:
+            return error_response(e)
+        except Exception as e:
+            return error_response(e)
+        cid = f"chatcmpl-{uuid.uuid4().hex}"
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            return StreamingResponse(
+                _events(cid, req.model, first, items, include_usage),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+            )
+        return await _collect(cid, req.model, first, items)
+
+    # -- the conversation's owner ---------------------------------------------------------
+    def _pick_session(self, call: oa.ChatCall) -> str:
+        """The conversation's session on this replica: the key's own, or while that one is busy
+        with another request of the conversation, an alternate (it shares the prefix: same principal)."""
+        for n in range(ALTERNATE_SESSIONS):
+            sid = self.ids.new(call.principal, call.session_key if n == 0 else f"{call.session_key}-{n}")
+            if sid not in self._http_busy:
+                return sid
+        raise ResourceExhausted(
+            f"{ALTERNATE_SESSIONS} requests of this conversation are already running; retry when one ends"
+        )
+
+    async def _evict_idle_session(self, principal: str) -> bool:
+        """Close this principal's least recently used idle HTTP session (room for a new one)."""
+        for sid, owner in self._http_lru.items():
+            if owner == principal and sid not in self._http_busy:
+                del self._http_lru[sid]
+                if self.engine.known(sid):
+                    await asyncio.to_thread(self.engine.close_session, sid, principal)
+                return True
+        return False
+
+    async def _start(self, sid: str, call: oa.ChatCall) -> RequestStream:
+        submit = functools.partial(self.engine.generate, sid, call.principal, call.messages, call.settings)
+        try:
+            return await _submit(submit)
+        except ResourceExhausted:
+            if self.engine.known(sid) or not await self._evict_idle_session(call.principal):
+                raise
+            return await _submit(submit)
+
+    async def OpenAIChat(self, call: oa.ChatCall) -> AsyncIterator[dict[str, Any]]:
+        """Serve one chat turn here (the key's owner, or its next-ranked replica when the owner is
+        full). Yields ``{"text", "logprobs"}`` items, then one with ``finish_reason`` and ``usage``;
+        an error is an ``{"error": ...}`` item (before anything else), never an exception."""
+        stream: RequestStream | None = None
+        sid: str | None = None
+        try:
+            with self.telemetry.rpc("ChatCompletions", _TraceContext(call.traceparent)) as span:
+                sid = self._pick_session(call)
+                self._http_busy.add(sid)
+                self._http_lru[sid] = call.principal
+                self._http_lru.move_to_end(sid)
+                span.set_attribute("hotloop.session_id", sid)
+                t0 = time.perf_counter()
+                stream = await self._start(sid, call)
+                first = True
+                async for chunk in stream:
+                    if first:
+                        self.telemetry.first_token(span, time.perf_counter() - t0)
+                        first = False
+                    item: dict[str, Any] = {"text": chunk.text}
+                    if chunk.logprobs is not None:
+                        item["logprobs"] = [oa.logprob_json(lp) for lp in chunk.logprobs]
+                    if chunk.final:
+                        self.telemetry.record_usage(span, chunk, "Generate")
+                        u = chunk.usage
+                        assert u is not None and chunk.finish_reason is not None
+                        item["finish_reason"] = oa.FINISH_REASONS[chunk.finish_reason]
+                        item["usage"] = {
+                            "prompt_tokens": u.prompt_tokens,
+                            "completion_tokens": u.completion_tokens,
+                            "cached_tokens": u.cached_tokens + u.restored_tokens,
+                        }
+                    yield item
+        except (GeneratorExit, asyncio.CancelledError):
+            if stream is not None:
+                stream.cancel()
+            raise
+        except Exception as e:
+            if stream is not None:
+                stream.cancel()
+            if isinstance(e, HotloopError):
+                yield {"error": {"code": e.code, "message": e.message, "field": getattr(e, "field", None)}}
+            else:
+                log.exception("unexpected error serving a chat completion", exc_info=e)
+                yield {"error": {"code": "INTERNAL", "message": f"internal error ({type(e).__name__})"}}
+        finally:
+            if sid is not None:
+                self._http_busy.discard(sid)
+
+
+HttpModelDeployment = serve.deployment(HttpModelReplica)

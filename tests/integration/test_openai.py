@@ -1,0 +1,265 @@
+"""The OpenAI-compatible HTTP API against a live server, with the real ``openai`` package.
+
+Its own server: two replicas of the bundled Gemma (so a stateless client's follow-ups must be
+routed to the replica holding their prefix), auth on with two principals, a small body limit.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import secrets
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import jsonschema
+import openai
+import pytest
+from conftest import free_port
+from hotloop_client import Client, Message, Role, Settings
+
+from hotloop_serve.config import Config, config_from_dict
+
+pytestmark = pytest.mark.integration
+
+MODEL = "gemma-3-270m"
+ALICE = "alice-" + secrets.token_urlsafe(16)
+BOB = "bob-" + secrets.token_urlsafe(16)
+MAX_BODY = 64 * 1024
+PERSON = {
+    "type": "object",
+    "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+    "required": ["name", "age"],
+}
+
+
+@dataclass
+class Http:
+    base_url: str
+    grpc: str
+    config: Config
+
+
+@pytest.fixture(scope="module")
+def http() -> Iterator[Http]:
+    from hotloop_serve.serve.runner import start_server, stop_server, wait_until_serving
+
+    grpc_port, http_port = free_port(), free_port()
+    engine = {"context_tokens": 8192, "session_context_tokens": 4096, "hot_sessions": 4, "threads": 1}
+    config = config_from_dict(
+        {
+            "server": {"grpc_port": grpc_port, "http_port": http_port},
+            "auth": {"tokens": {"alice": ALICE, "bob": BOB}},
+            "telemetry": {"enabled": False},
+            "models": [
+                {
+                    "name": MODEL,
+                    "replicas": 2,
+                    "engine": engine,
+                    "resources": {"num_cpus": 1},
+                    "limits": {"max_request_bytes": MAX_BODY},
+                }
+            ],
+        }
+    )
+    os.environ.setdefault("HOTLOOP_SESSION_SECRET", secrets.token_urlsafe(32))
+    try:
+        start_server(config, num_cpus=4)
+        wait_until_serving(f"127.0.0.1:{grpc_port}", [MODEL], timeout_s=300)
+        yield Http(f"http://127.0.0.1:{http_port}/{MODEL}/v1", f"127.0.0.1:{grpc_port}", config)
+    finally:
+        stop_server()
+
+
+@pytest.fixture
+def alice(http: Http) -> Iterator[openai.OpenAI]:
+    with openai.OpenAI(base_url=http.base_url, api_key=ALICE, max_retries=0, timeout=120) as client:
+        yield client
+
+
+def test_models_lists_the_served_model(alice: openai.OpenAI) -> None:
+    assert [m.id for m in alice.models.list()] == [MODEL]
+    assert alice.models.retrieve(MODEL).id == MODEL
+
+
+def test_a_reply_with_usage_finish_reason_and_a_seed(alice: openai.OpenAI) -> None:
+    ask = [{"role": "user", "content": "Write one sentence about the sea."}]
+    first = alice.chat.completions.create(model=MODEL, messages=ask, max_tokens=12, seed=7, temperature=0.9)
+    again = alice.chat.completions.create(model=MODEL, messages=ask, max_completion_tokens=12, seed=7, temperature=0.9)
+    choice = first.choices[0]
+    assert first.object == "chat.completion" and first.model == MODEL
+    assert choice.message.role == "assistant" and choice.message.content
+    assert choice.finish_reason in ("stop", "length")
+    assert first.usage is not None and first.usage.completion_tokens <= 12
+    assert first.usage.total_tokens == first.usage.prompt_tokens + first.usage.completion_tokens
+    assert first.usage.prompt_tokens_details is not None
+    assert again.choices[0].message.content == choice.message.content  # same seed, same reply
+    assert again.usage is not None and again.usage.prompt_tokens_details is not None
+    assert again.usage.prompt_tokens_details.cached_tokens == again.usage.prompt_tokens - 1
+
+
+def test_streaming_deltas_a_stop_sequence_and_usage(alice: openai.OpenAI) -> None:
+    ask = [{"role": "user", "content": "Count from one to ten in words, separated by commas."}]
+    whole = alice.chat.completions.create(model=MODEL, messages=ask, max_tokens=40, temperature=0)
+    text = whole.choices[0].message.content or ""
+    chunks = list(
+        alice.chat.completions.create(
+            model=MODEL,
+            messages=ask,
+            max_tokens=40,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == whole.choices[0].finish_reason
+    assert chunks[-1].choices == [] and chunks[-1].usage is not None
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens  # type: ignore[union-attr]
+    if len(text) > 6:  # a stop sequence taken from the reply itself ends it there
+        stop = text[3:6]
+        cut = alice.chat.completions.create(model=MODEL, messages=ask, max_tokens=40, temperature=0, stop=[stop])
+        assert cut.choices[0].finish_reason == "stop"
+        assert cut.choices[0].message.content == text[: text.index(stop)]
+
+
+def _four_turns(client: openai.OpenAI, headers: dict[str, str] | None = None) -> list[tuple[int, int]]:
+    """(prompt_tokens, cached_tokens) of 4 turns of one conversation, sent statelessly."""
+    messages: list[dict[str, str]] = [
+        {"role": "system", "content": "You are a helpful assistant who answers briefly."},
+        {"role": "user", "content": "Name three colours of the rainbow."},
+    ]
+    seen = []
+    for turn in range(4):
+        reply = client.chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=24, temperature=0, extra_headers=headers  # type: ignore[arg-type]
+        )
+        usage = reply.usage
+        assert usage is not None and usage.prompt_tokens_details is not None
+        seen.append((usage.prompt_tokens, usage.prompt_tokens_details.cached_tokens or 0))
+        messages.append({"role": "assistant", "content": reply.choices[0].message.content or ""})
+        messages.append({"role": "user", "content": f"And now something else, number {turn + 2}?"})
+    return seen
+
+
+@pytest.mark.parametrize("headers", [None, {"X-Session-Id": "conversation-42"}], ids=["opening", "header"])
+def test_a_stateless_four_turn_chat_stays_hot(alice: openai.OpenAI, headers: dict[str, str] | None) -> None:
+    """Turns 2-4 reuse >= 90% of the prior prompt, with two replicas: routed to the prefix's owner."""
+    turns = _four_turns(alice, headers)
+    for (prior, _), (_, cached) in itertools.pairwise(turns):
+        assert cached >= 0.9 * prior, turns
+
+
+def test_principals_never_share_a_conversation(http: Http, alice: openai.OpenAI) -> None:
+    ask = [{"role": "user", "content": "A private question about principals and isolation."}]
+    alice.chat.completions.create(model=MODEL, messages=ask, max_tokens=4, temperature=0)  # type: ignore[arg-type]
+    with openai.OpenAI(base_url=http.base_url, api_key=BOB, max_retries=0) as bob:
+        reply = bob.chat.completions.create(model=MODEL, messages=ask, max_tokens=4, temperature=0)  # type: ignore[arg-type]
+    assert reply.usage is not None and reply.usage.prompt_tokens_details is not None
+    assert reply.usage.prompt_tokens_details.cached_tokens == 0  # nothing of alice's cache
+
+
+def test_a_json_schema_reply_parses_and_validates(alice: openai.OpenAI) -> None:
+    reply = alice.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Describe a person named Ann, aged 31, as JSON."}],
+        max_tokens=64,
+        temperature=0.7,
+        seed=5,
+        response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}},
+    )
+    assert reply.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(reply.choices[0].message.content or ""), PERSON)
+    anything = alice.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Some JSON please."}],
+        max_tokens=64,
+        temperature=0,
+        response_format={"type": "json_object"},
+    )
+    assert isinstance(json.loads(anything.choices[0].message.content or ""), dict)
+
+
+def test_logprobs_are_consistent_with_the_text(alice: openai.OpenAI) -> None:
+    ask = [{"role": "user", "content": "Say hello to the world."}]
+    reply = alice.chat.completions.create(
+        model=MODEL, messages=ask, max_tokens=16, temperature=0, logprobs=True, top_logprobs=3
+    )
+    choice = reply.choices[0]
+    assert choice.logprobs is not None and choice.logprobs.content
+    tokens = choice.logprobs.content
+    assert bytes(b for t in tokens for b in (t.bytes or [])).decode() == choice.message.content
+    assert len(tokens) == reply.usage.completion_tokens  # type: ignore[union-attr]
+    for t in tokens:
+        assert t.logprob <= 0 and len(t.top_logprobs) == 3
+        assert t.top_logprobs[0].token == t.token  # greedy: the sampled token is the most likely
+    streamed = alice.chat.completions.create(
+        model=MODEL, messages=ask, max_tokens=16, temperature=0, logprobs=True, stream=True
+    )
+    pieces = [t for c in streamed if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content or []]
+    assert [t.token for t in pieces] == [t.token for t in tokens]
+    assert no_logprobs_unless_asked(alice)
+
+
+def no_logprobs_unless_asked(alice: openai.OpenAI) -> bool:
+    reply = alice.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=2)
+    return reply.choices[0].logprobs is None
+
+
+def test_bad_requests_get_their_status_and_an_openai_error_body(http: Http, alice: openai.OpenAI) -> None:
+    ask = [{"role": "user", "content": "Hi"}]
+    with pytest.raises(openai.NotFoundError) as nf:
+        alice.chat.completions.create(model="no-such-model", messages=ask)  # type: ignore[arg-type]
+    assert nf.value.status_code == 404 and nf.value.code == "model_not_found"
+    with pytest.raises(openai.BadRequestError) as bad:
+        alice.chat.completions.create(
+            model=MODEL,
+            messages=ask,  # type: ignore[arg-type]
+            response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}},
+        )
+    assert bad.value.status_code == 400 and bad.value.type == "invalid_request_error"
+    assert "json_schema" in bad.value.message and "nonsense" in bad.value.message
+    with pytest.raises(openai.BadRequestError) as grammar:
+        alice.chat.completions.create(model=MODEL, messages=ask, extra_body={"grammar": 'root ::= "a'})  # type: ignore[arg-type]
+    assert "grammar is not valid GBNF" in grammar.value.message
+    with pytest.raises(openai.APIStatusError) as big:
+        alice.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x" * (MAX_BODY + 1)}])
+    assert big.value.status_code == 413 and big.value.code == "request_too_large"
+    stranger = openai.OpenAI(base_url=http.base_url, api_key="not-a-token-of-ours", max_retries=0)
+    with stranger, pytest.raises(openai.AuthenticationError) as wrong:
+        stranger.chat.completions.create(model=MODEL, messages=ask)  # type: ignore[arg-type]
+    assert wrong.value.status_code == 401 and wrong.value.code == "invalid_api_key"
+    status, body = _post(f"{http.base_url}/chat/completions", {"model": MODEL, "messages": ask})
+    assert status == 401
+    assert body["error"]["code"] == "invalid_api_key" and "bearer" in body["error"]["message"]
+    assert _post(f"{http.base_url}/models", None)[0] == 401
+    with pytest.raises(openai.BadRequestError) as n2:
+        alice.chat.completions.create(model=MODEL, messages=ask, n=2)  # type: ignore[arg-type]
+    assert n2.value.param == "n"
+
+
+def _post(url: str, payload: object) -> tuple[int, dict[str, object]]:
+    """A request with no Authorization header (GET when ``payload`` is None): (status, JSON body)."""
+    data = None if payload is None else json.dumps(payload).encode()
+    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def test_structured_output_and_logprobs_over_grpc(http: Http) -> None:
+    settings = Settings(temperature=0, sample_len=64, json_schema=json.dumps(PERSON), logprobs=True, top_logprobs=2)
+    with Client(http.grpc, token=ALICE) as client:
+        session = client.model(MODEL).new_session(settings=settings)
+        chunks = list(session.generate([Message(Role.USER, "Describe a person named Ann, aged 31, as JSON.")]))
+    text = "".join(c.text for c in chunks)
+    jsonschema.validate(json.loads(text), PERSON)
+    pieces = b"".join(lp.piece for c in chunks for lp in c.logprobs)
+    assert pieces.decode() == text
+    assert all(len(lp.top) == 2 for c in chunks for lp in c.logprobs)
