@@ -77,7 +77,7 @@ def _parser(hint: Any) -> Callable[[str], Any]:
     kinds = set(typing.get_args(hint)) - {type(None)}
     if kinds == {bool}:
         return _parse_bool
-    if kinds in ({int}, {float}):
+    if kinds in ({int}, {float}, {str}):  # str: a grammar or JSON schema, taken verbatim
         return kinds.pop()  # type: ignore[no-any-return]
     if all(typing.get_origin(kind) is tuple for kind in kinds):
         return _parse_stop

@@ -7,6 +7,7 @@ commands do on the wire.
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import re
 import threading
@@ -234,3 +235,17 @@ def test_main_accepts_the_chat_subcommand(capsys: pytest.CaptureFixture[str]) ->
         chat_cli.main(["chat", "--help"])
     assert exit_info.value.code == 0
     assert "--address" in capsys.readouterr().out
+
+
+def test_set_parses_every_settings_field_by_its_type() -> None:
+    # The parsers come from the Settings dataclass (the SDK's mirror of hotloop.v1.Settings):
+    # a field added to the proto is settable with /set without a list edited in the chat.
+    assert set(chat_cli._PARSERS) == {f.name for f in dataclasses.fields(Settings)}
+    assert chat_cli.parse_setting("temperature", "0.2") == ("temperature", 0.2)
+    assert chat_cli.parse_setting("top-k", "5") == ("top_k", 5)
+    assert chat_cli.parse_setting("truncate_history", "yes") == ("truncate_history", True)
+    assert chat_cli.parse_setting("stop", '["\\n\\n", "END"]') == ("stop", ("\n\n", "END"))
+    assert chat_cli.parse_setting("json_schema", '{"type": "object"}') == ("json_schema", '{"type": "object"}')
+    assert chat_cli.parse_setting("seed", "random") == ("seed", None)
+    with pytest.raises(ValueError, match="unknown setting"):
+        chat_cli.parse_setting("nope", "1")
