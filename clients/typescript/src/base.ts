@@ -247,6 +247,10 @@ export function settingsToProto(settings: Settings): pbc.Settings {
     stop: settings.stop ? [...settings.stop] : [],
     minP: settings.minP,
     truncateHistory: settings.truncateHistory,
+    grammar: settings.grammar,
+    jsonSchema: settings.jsonSchema,
+    logprobs: settings.logprobs,
+    topLogprobs: settings.topLogprobs,
   };
 }
 
@@ -263,6 +267,10 @@ export function settingsFromProto(pb: pbc.Settings): Settings {
   if (pb.stop.length > 0) out.stop = [...pb.stop];
   if (pb.minP !== undefined) out.minP = fromFloat32(pb.minP);
   if (pb.truncateHistory !== undefined) out.truncateHistory = pb.truncateHistory;
+  if (pb.grammar !== undefined) out.grammar = pb.grammar;
+  if (pb.jsonSchema !== undefined) out.jsonSchema = pb.jsonSchema;
+  if (pb.logprobs !== undefined) out.logprobs = pb.logprobs;
+  if (pb.topLogprobs !== undefined) out.topLogprobs = pb.topLogprobs;
   return out;
 }
 
@@ -325,6 +333,12 @@ export function chunkFromProto(pb: pbs.GenerateChunk): Chunk {
     ...(usage !== undefined && { usage }),
     ...(pb.timings && { timings: timingsFromProto(pb.timings) }),
     ...(pb.servedBy && { servedBy: servedByFromProto(pb.servedBy) }),
+    logprobs: pb.logprobs.map((lp) => ({
+      token: lp.token,
+      piece: new Uint8Array(lp.piece),
+      logprob: lp.logprob,
+      top: lp.top.map((t) => ({ token: t.token, piece: new Uint8Array(t.piece), logprob: t.logprob })),
+    })),
     isLast: finishReason !== undefined || usage !== undefined,
   };
 }

@@ -45,6 +45,7 @@ export type {
   SessionInfo,
   Settings,
   Timings,
+  TokenLogprob,
   Usage,
 } from "./types";
 

@@ -70,6 +70,14 @@ export interface Settings {
   readonly minP?: number;
   /** Drop the oldest turns (system prompt kept) instead of failing with OUT_OF_RANGE. */
   readonly truncateHistory?: boolean;
+  /** Structured output: a GBNF grammar (llama.cpp's syntax, start symbol `root`) every reply matches. */
+  readonly grammar?: string;
+  /** Structured output: a JSON Schema (JSON text) every reply matches; `'{"type": "object"}'`: any object. */
+  readonly jsonSchema?: string;
+  /** Report each generated token's log-probability (`Chunk.logprobs`). */
+  readonly logprobs?: boolean;
+  /** With `logprobs`: also the most likely alternatives at each position, 0-20. */
+  readonly topLogprobs?: number;
 }
 
 /** The names of the `Settings` fields, in the proto's order. */
@@ -84,6 +92,10 @@ export const SETTINGS_FIELDS = [
   "stop",
   "minP",
   "truncateHistory",
+  "grammar",
+  "jsonSchema",
+  "logprobs",
+  "topLogprobs",
 ] as const satisfies readonly (keyof Settings)[];
 
 /** Where a request's prompt tokens came from and how many it generated. */
@@ -117,6 +129,18 @@ export interface ServedBy {
 }
 
 /**
+ * One generated token: its id, bytes and natural-log probability under the model's raw
+ * distribution; `top`: the most likely alternatives at its position (`topLogprobs`), best first.
+ */
+export interface TokenLogprob {
+  readonly token: number;
+  /** The token's bytes (a token may hold part of a UTF-8 character). */
+  readonly piece: Uint8Array;
+  readonly logprob: number;
+  readonly top: readonly { readonly token: number; readonly piece: Uint8Array; readonly logprob: number }[];
+}
+
+/**
  * A piece of a streamed reply. Only the last chunk of a turn carries `finishReason`,
  * `usage`, `timings` and `servedBy`; on the others they are `undefined`.
  */
@@ -126,6 +150,8 @@ export interface Chunk {
   readonly usage?: Usage;
   readonly timings?: Timings;
   readonly servedBy?: ServedBy;
+  /** With `Settings.logprobs`: the tokens generated since the previous chunk (else empty). */
+  readonly logprobs: readonly TokenLogprob[];
   /** True on the chunk that ends the turn. */
   readonly isLast: boolean;
 }

@@ -71,7 +71,7 @@ export class FakeServer {
       callback({ code: grpc.status.NOT_FOUND, details: `session ${id} not found` });
       return;
     }
-    callback(null, { id, model: "alpha", settings, contextTokens: 7, state: "hot", servedBy: undefined });
+    callback(null, { id, model: "alpha", settings, contextTokens: 7, state: "hot", servedBy: undefined, lastUsedUnix: 0 });
   }
 
   async start(): Promise<string> {
@@ -124,7 +124,15 @@ export class FakeServer {
           ...Object.fromEntries(Object.entries(call.request.settings ?? {}).filter(([, v]) => v !== undefined)),
         };
         this.sessions.set(id, settings);
-        callback(null, { id, model: call.request.model, settings, contextTokens: 0, state: "new", servedBy: undefined });
+        callback(null, {
+          id,
+          model: call.request.model,
+          settings,
+          contextTokens: 0,
+          state: "new",
+          servedBy: undefined,
+          lastUsedUnix: 0,
+        });
       },
       generate: (call) => {
         this.record("Generate", call);
@@ -180,6 +188,11 @@ export class FakeServer {
         }
         callback(null, {});
       },
+      // Session operations (fork, list, export, import) are not faked: UNIMPLEMENTED.
+      forkSession: (_call, callback) => callback({ code: grpc.status.UNIMPLEMENTED, details: "not faked" }),
+      listSessions: (_call, callback) => callback({ code: grpc.status.UNIMPLEMENTED, details: "not faked" }),
+      exportSession: (call) => call.emit("error", { code: grpc.status.UNIMPLEMENTED, details: "not faked" }),
+      importSession: (_call, callback) => callback({ code: grpc.status.UNIMPLEMENTED, details: "not faked" }),
     };
     this.server.addService(ModelServiceService, models);
     this.server.addService(pbs.SessionServiceService, sessions);
@@ -228,5 +241,5 @@ export class FakeServer {
 }
 
 function chunk(text: string): pbs.GenerateChunk {
-  return { text, finishReason: 0, usage: undefined, timings: undefined, servedBy: undefined };
+  return { text, finishReason: 0, usage: undefined, timings: undefined, servedBy: undefined, logprobs: [] };
 }

@@ -99,6 +99,24 @@ describe("wire helpers", () => {
     assert.throws(() => base.settingsToProto({ seed: 1.5 }), TypeError);
   });
 
+  test("structured output and logprobs settings round-trip; chunks carry logprobs", () => {
+    const settings = { jsonSchema: '{"type": "object"}', logprobs: true, topLogprobs: 2 };
+    assert.deepEqual(base.settingsFromProto(base.settingsToProto(settings)), settings);
+    assert.equal(base.settingsToProto({ grammar: 'root ::= "a"' }).grammar, 'root ::= "a"');
+    const piece = Buffer.from("Hi");
+    const chunk = base.chunkFromProto({
+      text: "Hi",
+      finishReason: 0,
+      usage: undefined,
+      timings: undefined,
+      servedBy: undefined,
+      logprobs: [{ token: 7, piece, logprob: -0.5, top: [{ token: 7, piece, logprob: -0.5 }] }],
+    });
+    assert.equal(chunk.logprobs.length, 1);
+    assert.equal(new TextDecoder().decode(chunk.logprobs[0]!.piece), "Hi");
+    assert.equal(chunk.logprobs[0]!.top[0]!.logprob, -0.5);
+  });
+
   test("history items: objects or pairs, roles case-insensitive, bad ones rejected", () => {
     assert.deepEqual(base.messagesToProto([{ role: "system", content: "s" }, ["user", "u"]]), [
       { role: 1, content: "s" },

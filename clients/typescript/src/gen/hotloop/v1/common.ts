@@ -84,7 +84,44 @@ export interface Settings {
     | number
     | undefined;
   /** drop the oldest turns (system prompt kept) instead of */
-  truncateHistory?: boolean | undefined;
+  truncateHistory?:
+    | boolean
+    | undefined;
+  /**
+   * failing with OUT_OF_RANGE when history exceeds the context.
+   * Structured output, enforced by llama.cpp's grammar sampler (at most one of the two; a bad
+   * one is INVALID_ARGUMENT naming the problem):
+   */
+  grammar?:
+    | string
+    | undefined;
+  /** a JSON Schema as JSON text; '{"type": "object"}' = any object. */
+  jsonSchema?:
+    | string
+    | undefined;
+  /** report each generated token's log-probability (Chunk.logprobs). */
+  logprobs?:
+    | boolean
+    | undefined;
+  /** with logprobs: also the most likely alternatives, 0-20. */
+  topLogprobs?: number | undefined;
+}
+
+/** One generated token's log-probability (natural log, under the model's raw distribution). */
+export interface TokenLogprob {
+  /** token id */
+  token: number;
+  /** the token's bytes (may be part of a UTF-8 character) */
+  piece: Buffer;
+  logprob: number;
+  /** the top_logprobs most likely tokens at this position, best first */
+  top: TopLogprob[];
+}
+
+export interface TopLogprob {
+  token: number;
+  piece: Buffer;
+  logprob: number;
 }
 
 /** Where a request's prompt tokens came from, and what it generated. */
@@ -200,6 +237,10 @@ function createBaseSettings(): Settings {
     stop: [],
     minP: undefined,
     truncateHistory: undefined,
+    grammar: undefined,
+    jsonSchema: undefined,
+    logprobs: undefined,
+    topLogprobs: undefined,
   };
 }
 
@@ -237,6 +278,18 @@ export const Settings: MessageFns<Settings> = {
     }
     if (message.truncateHistory !== undefined) {
       writer.uint32(80).bool(message.truncateHistory);
+    }
+    if (message.grammar !== undefined) {
+      writer.uint32(90).string(message.grammar);
+    }
+    if (message.jsonSchema !== undefined) {
+      writer.uint32(98).string(message.jsonSchema);
+    }
+    if (message.logprobs !== undefined) {
+      writer.uint32(104).bool(message.logprobs);
+    }
+    if (message.topLogprobs !== undefined) {
+      writer.uint32(112).int32(message.topLogprobs);
     }
     return writer;
   },
@@ -334,6 +387,38 @@ export const Settings: MessageFns<Settings> = {
             message.truncateHistory = reader.bool();
             continue;
           }
+          case 11: {
+            if (tag !== 90) {
+              break;
+            }
+
+            message.grammar = reader.string();
+            continue;
+          }
+          case 12: {
+            if (tag !== 98) {
+              break;
+            }
+
+            message.jsonSchema = reader.string();
+            continue;
+          }
+          case 13: {
+            if (tag !== 104) {
+              break;
+            }
+
+            message.logprobs = reader.bool();
+            continue;
+          }
+          case 14: {
+            if (tag !== 112) {
+              break;
+            }
+
+            message.topLogprobs = reader.int32();
+            continue;
+          }
         }
         if ((tag & 7) === 4 || tag === 0) {
           break;
@@ -361,6 +446,180 @@ export const Settings: MessageFns<Settings> = {
     message.stop = object.stop?.map((e) => e) || [];
     message.minP = object.minP ?? undefined;
     message.truncateHistory = object.truncateHistory ?? undefined;
+    message.grammar = object.grammar ?? undefined;
+    message.jsonSchema = object.jsonSchema ?? undefined;
+    message.logprobs = object.logprobs ?? undefined;
+    message.topLogprobs = object.topLogprobs ?? undefined;
+    return message;
+  },
+};
+
+function createBaseTokenLogprob(): TokenLogprob {
+  return { token: 0, piece: Buffer.alloc(0), logprob: 0, top: [] };
+}
+
+export const TokenLogprob: MessageFns<TokenLogprob> = {
+  encode(message: TokenLogprob, writer: BinaryWriter = new BinaryWriter()): BinaryWriter {
+    if (message.token !== 0) {
+      writer.uint32(8).uint32(message.token);
+    }
+    if (message.piece.length !== 0) {
+      writer.uint32(18).bytes(message.piece);
+    }
+    if (message.logprob !== 0) {
+      writer.uint32(25).double(message.logprob);
+    }
+    for (const v of message.top) {
+      TopLogprob.encode(v!, writer.uint32(34).fork()).join();
+    }
+    return writer;
+  },
+
+  decode(input: BinaryReader | Uint8Array, length?: number): TokenLogprob {
+    const reader = input instanceof BinaryReader ? input : new BinaryReader(input);
+    const previousRecursionDepth = (reader as any).__tsProtoDecodeDepth ?? 0;
+    if (previousRecursionDepth >= 100) {
+      throw new globalThis.Error("protobuf decode recursion limit exceeded");
+    }
+    (reader as any).__tsProtoDecodeDepth = previousRecursionDepth + 1;
+    try {
+      const end = length === undefined ? reader.len : reader.pos + length;
+      const message = createBaseTokenLogprob();
+      while (reader.pos < end) {
+        const tag = reader.uint32();
+        switch (tag >>> 3) {
+          case 1: {
+            if (tag !== 8) {
+              break;
+            }
+
+            message.token = reader.uint32();
+            continue;
+          }
+          case 2: {
+            if (tag !== 18) {
+              break;
+            }
+
+            message.piece = Buffer.from(reader.bytes());
+            continue;
+          }
+          case 3: {
+            if (tag !== 25) {
+              break;
+            }
+
+            message.logprob = reader.double();
+            continue;
+          }
+          case 4: {
+            if (tag !== 34) {
+              break;
+            }
+
+            message.top.push(TopLogprob.decode(reader, reader.uint32()));
+            continue;
+          }
+        }
+        if ((tag & 7) === 4 || tag === 0) {
+          break;
+        }
+        reader.skip(tag & 7);
+      }
+      return message;
+    } finally {
+      (reader as any).__tsProtoDecodeDepth = previousRecursionDepth;
+    }
+  },
+
+  create(base?: DeepPartial<TokenLogprob>): TokenLogprob {
+    return TokenLogprob.fromPartial(base ?? {});
+  },
+  fromPartial(object: DeepPartial<TokenLogprob>): TokenLogprob {
+    const message = createBaseTokenLogprob();
+    message.token = object.token ?? 0;
+    message.piece = object.piece ?? Buffer.alloc(0);
+    message.logprob = object.logprob ?? 0;
+    message.top = object.top?.map((e) => TopLogprob.fromPartial(e)) || [];
+    return message;
+  },
+};
+
+function createBaseTopLogprob(): TopLogprob {
+  return { token: 0, piece: Buffer.alloc(0), logprob: 0 };
+}
+
+export const TopLogprob: MessageFns<TopLogprob> = {
+  encode(message: TopLogprob, writer: BinaryWriter = new BinaryWriter()): BinaryWriter {
+    if (message.token !== 0) {
+      writer.uint32(8).uint32(message.token);
+    }
+    if (message.piece.length !== 0) {
+      writer.uint32(18).bytes(message.piece);
+    }
+    if (message.logprob !== 0) {
+      writer.uint32(25).double(message.logprob);
+    }
+    return writer;
+  },
+
+  decode(input: BinaryReader | Uint8Array, length?: number): TopLogprob {
+    const reader = input instanceof BinaryReader ? input : new BinaryReader(input);
+    const previousRecursionDepth = (reader as any).__tsProtoDecodeDepth ?? 0;
+    if (previousRecursionDepth >= 100) {
+      throw new globalThis.Error("protobuf decode recursion limit exceeded");
+    }
+    (reader as any).__tsProtoDecodeDepth = previousRecursionDepth + 1;
+    try {
+      const end = length === undefined ? reader.len : reader.pos + length;
+      const message = createBaseTopLogprob();
+      while (reader.pos < end) {
+        const tag = reader.uint32();
+        switch (tag >>> 3) {
+          case 1: {
+            if (tag !== 8) {
+              break;
+            }
+
+            message.token = reader.uint32();
+            continue;
+          }
+          case 2: {
+            if (tag !== 18) {
+              break;
+            }
+
+            message.piece = Buffer.from(reader.bytes());
+            continue;
+          }
+          case 3: {
+            if (tag !== 25) {
+              break;
+            }
+
+            message.logprob = reader.double();
+            continue;
+          }
+        }
+        if ((tag & 7) === 4 || tag === 0) {
+          break;
+        }
+        reader.skip(tag & 7);
+      }
+      return message;
+    } finally {
+      (reader as any).__tsProtoDecodeDepth = previousRecursionDepth;
+    }
+  },
+
+  create(base?: DeepPartial<TopLogprob>): TopLogprob {
+    return TopLogprob.fromPartial(base ?? {});
+  },
+  fromPartial(object: DeepPartial<TopLogprob>): TopLogprob {
+    const message = createBaseTopLogprob();
+    message.token = object.token ?? 0;
+    message.piece = object.piece ?? Buffer.alloc(0);
+    message.logprob = object.logprob ?? 0;
     return message;
   },
 };

@@ -20,7 +20,7 @@ import {
   type ServiceError,
   type UntypedServiceImplementation,
 } from "@grpc/grpc-js";
-import { FinishReason, Message, ServedBy, Settings, Timings, Usage } from "./common";
+import { FinishReason, Message, ServedBy, Settings, Timings, TokenLogprob, Usage } from "./common";
 
 export const protobufPackage = "hotloop.v1";
 
@@ -51,7 +51,11 @@ export interface Session {
   contextTokens: number;
   /** "new", "hot", "evicted", "dropped" */
   state: string;
-  servedBy: ServedBy | undefined;
+  servedBy:
+    | ServedBy
+    | undefined;
+  /** when the session last served a request (Unix seconds) */
+  lastUsedUnix: number;
 }
 
 export interface GenerateRequest {
@@ -70,7 +74,14 @@ export interface GenerateChunk {
   finishReason: FinishReason;
   usage: Usage | undefined;
   timings: Timings | undefined;
-  servedBy: ServedBy | undefined;
+  servedBy:
+    | ServedBy
+    | undefined;
+  /**
+   * With Settings.logprobs: the tokens generated since the previous chunk (text can lag its
+   * tokens while a possible stop sequence or a split UTF-8 character is held back).
+   */
+  logprobs: TokenLogprob[];
 }
 
 export interface WarmupRequest {
@@ -104,6 +115,57 @@ export interface CloseSessionRequest {
 }
 
 export interface CloseSessionResponse {
+}
+
+export interface ForkSessionRequest {
+  /** the session to fork */
+  sessionId: string;
+  /**
+   * Keep the source's cache up to this prefix of its history (e.g. the first k messages);
+   * empty: all of it.
+   */
+  messages: Message[];
+  /** the fork's settings; absent: the source's */
+  settings:
+    | Settings
+    | undefined;
+  /** routing key of the new session (as in CreateSession) */
+  sessionKey: string;
+}
+
+export interface ListSessionsRequest {
+  model: string;
+}
+
+export interface ListSessionsResponse {
+  /** most recently used first */
+  sessions: Session[];
+}
+
+export interface ExportSessionRequest {
+  sessionId: string;
+}
+
+export interface ExportSessionChunk {
+  data: Buffer;
+  /** the whole blob's size (on every chunk) */
+  totalBytes: bigint;
+}
+
+export interface ImportSessionRequest {
+  model: string;
+  /** routing key of the new session; every part sends the same */
+  sessionKey: string;
+  /** absent: the exported session's settings */
+  settings:
+    | Settings
+    | undefined;
+  /** this part of the blob */
+  data: Buffer;
+  /** where this part starts in the blob */
+  offset: bigint;
+  /** the blob's size */
+  totalBytes: bigint;
 }
 
 function createBaseCreateSessionRequest(): CreateSessionRequest {
@@ -188,7 +250,7 @@ export const CreateSessionRequest: MessageFns<CreateSessionRequest> = {
 };
 
 function createBaseSession(): Session {
-  return { id: "", model: "", settings: undefined, contextTokens: 0, state: "", servedBy: undefined };
+  return { id: "", model: "", settings: undefined, contextTokens: 0, state: "", servedBy: undefined, lastUsedUnix: 0 };
 }
 
 export const Session: MessageFns<Session> = {
@@ -210,6 +272,9 @@ export const Session: MessageFns<Session> = {
     }
     if (message.servedBy !== undefined) {
       ServedBy.encode(message.servedBy, writer.uint32(50).fork()).join();
+    }
+    if (message.lastUsedUnix !== 0) {
+      writer.uint32(57).double(message.lastUsedUnix);
     }
     return writer;
   },
@@ -275,6 +340,14 @@ export const Session: MessageFns<Session> = {
             message.servedBy = ServedBy.decode(reader, reader.uint32());
             continue;
           }
+          case 7: {
+            if (tag !== 57) {
+              break;
+            }
+
+            message.lastUsedUnix = reader.double();
+            continue;
+          }
         }
         if ((tag & 7) === 4 || tag === 0) {
           break;
@@ -302,6 +375,7 @@ export const Session: MessageFns<Session> = {
     message.servedBy = (object.servedBy !== undefined && object.servedBy !== null)
       ? ServedBy.fromPartial(object.servedBy)
       : undefined;
+    message.lastUsedUnix = object.lastUsedUnix ?? 0;
     return message;
   },
 };
@@ -388,7 +462,7 @@ export const GenerateRequest: MessageFns<GenerateRequest> = {
 };
 
 function createBaseGenerateChunk(): GenerateChunk {
-  return { text: "", finishReason: 0, usage: undefined, timings: undefined, servedBy: undefined };
+  return { text: "", finishReason: 0, usage: undefined, timings: undefined, servedBy: undefined, logprobs: [] };
 }
 
 export const GenerateChunk: MessageFns<GenerateChunk> = {
@@ -407,6 +481,9 @@ export const GenerateChunk: MessageFns<GenerateChunk> = {
     }
     if (message.servedBy !== undefined) {
       ServedBy.encode(message.servedBy, writer.uint32(42).fork()).join();
+    }
+    for (const v of message.logprobs) {
+      TokenLogprob.encode(v!, writer.uint32(50).fork()).join();
     }
     return writer;
   },
@@ -464,6 +541,14 @@ export const GenerateChunk: MessageFns<GenerateChunk> = {
             message.servedBy = ServedBy.decode(reader, reader.uint32());
             continue;
           }
+          case 6: {
+            if (tag !== 50) {
+              break;
+            }
+
+            message.logprobs.push(TokenLogprob.decode(reader, reader.uint32()));
+            continue;
+          }
         }
         if ((tag & 7) === 4 || tag === 0) {
           break;
@@ -490,6 +575,7 @@ export const GenerateChunk: MessageFns<GenerateChunk> = {
     message.servedBy = (object.servedBy !== undefined && object.servedBy !== null)
       ? ServedBy.fromPartial(object.servedBy)
       : undefined;
+    message.logprobs = object.logprobs?.map((e) => TokenLogprob.fromPartial(e)) || [];
     return message;
   },
 };
@@ -933,6 +1019,461 @@ export const CloseSessionResponse: MessageFns<CloseSessionResponse> = {
   },
 };
 
+function createBaseForkSessionRequest(): ForkSessionRequest {
+  return { sessionId: "", messages: [], settings: undefined, sessionKey: "" };
+}
+
+export const ForkSessionRequest: MessageFns<ForkSessionRequest> = {
+  encode(message: ForkSessionRequest, writer: BinaryWriter = new BinaryWriter()): BinaryWriter {
+    if (message.sessionId !== "") {
+      writer.uint32(10).string(message.sessionId);
+    }
+    for (const v of message.messages) {
+      Message.encode(v!, writer.uint32(18).fork()).join();
+    }
+    if (message.settings !== undefined) {
+      Settings.encode(message.settings, writer.uint32(26).fork()).join();
+    }
+    if (message.sessionKey !== "") {
+      writer.uint32(34).string(message.sessionKey);
+    }
+    return writer;
+  },
+
+  decode(input: BinaryReader | Uint8Array, length?: number): ForkSessionRequest {
+    const reader = input instanceof BinaryReader ? input : new BinaryReader(input);
+    const previousRecursionDepth = (reader as any).__tsProtoDecodeDepth ?? 0;
+    if (previousRecursionDepth >= 100) {
+      throw new globalThis.Error("protobuf decode recursion limit exceeded");
+    }
+    (reader as any).__tsProtoDecodeDepth = previousRecursionDepth + 1;
+    try {
+      const end = length === undefined ? reader.len : reader.pos + length;
+      const message = createBaseForkSessionRequest();
+      while (reader.pos < end) {
+        const tag = reader.uint32();
+        switch (tag >>> 3) {
+          case 1: {
+            if (tag !== 10) {
+              break;
+            }
+
+            message.sessionId = reader.string();
+            continue;
+          }
+          case 2: {
+            if (tag !== 18) {
+              break;
+            }
+
+            message.messages.push(Message.decode(reader, reader.uint32()));
+            continue;
+          }
+          case 3: {
+            if (tag !== 26) {
+              break;
+            }
+
+            message.settings = Settings.decode(reader, reader.uint32());
+            continue;
+          }
+          case 4: {
+            if (tag !== 34) {
+              break;
+            }
+
+            message.sessionKey = reader.string();
+            continue;
+          }
+        }
+        if ((tag & 7) === 4 || tag === 0) {
+          break;
+        }
+        reader.skip(tag & 7);
+      }
+      return message;
+    } finally {
+      (reader as any).__tsProtoDecodeDepth = previousRecursionDepth;
+    }
+  },
+
+  create(base?: DeepPartial<ForkSessionRequest>): ForkSessionRequest {
+    return ForkSessionRequest.fromPartial(base ?? {});
+  },
+  fromPartial(object: DeepPartial<ForkSessionRequest>): ForkSessionRequest {
+    const message = createBaseForkSessionRequest();
+    message.sessionId = object.sessionId ?? "";
+    message.messages = object.messages?.map((e) => Message.fromPartial(e)) || [];
+    message.settings = (object.settings !== undefined && object.settings !== null)
+      ? Settings.fromPartial(object.settings)
+      : undefined;
+    message.sessionKey = object.sessionKey ?? "";
+    return message;
+  },
+};
+
+function createBaseListSessionsRequest(): ListSessionsRequest {
+  return { model: "" };
+}
+
+export const ListSessionsRequest: MessageFns<ListSessionsRequest> = {
+  encode(message: ListSessionsRequest, writer: BinaryWriter = new BinaryWriter()): BinaryWriter {
+    if (message.model !== "") {
+      writer.uint32(10).string(message.model);
+    }
+    return writer;
+  },
+
+  decode(input: BinaryReader | Uint8Array, length?: number): ListSessionsRequest {
+    const reader = input instanceof BinaryReader ? input : new BinaryReader(input);
+    const previousRecursionDepth = (reader as any).__tsProtoDecodeDepth ?? 0;
+    if (previousRecursionDepth >= 100) {
+      throw new globalThis.Error("protobuf decode recursion limit exceeded");
+    }
+    (reader as any).__tsProtoDecodeDepth = previousRecursionDepth + 1;
+    try {
+      const end = length === undefined ? reader.len : reader.pos + length;
+      const message = createBaseListSessionsRequest();
+      while (reader.pos < end) {
+        const tag = reader.uint32();
+        switch (tag >>> 3) {
+          case 1: {
+            if (tag !== 10) {
+              break;
+            }
+
+            message.model = reader.string();
+            continue;
+          }
+        }
+        if ((tag & 7) === 4 || tag === 0) {
+          break;
+        }
+        reader.skip(tag & 7);
+      }
+      return message;
+    } finally {
+      (reader as any).__tsProtoDecodeDepth = previousRecursionDepth;
+    }
+  },
+
+  create(base?: DeepPartial<ListSessionsRequest>): ListSessionsRequest {
+    return ListSessionsRequest.fromPartial(base ?? {});
+  },
+  fromPartial(object: DeepPartial<ListSessionsRequest>): ListSessionsRequest {
+    const message = createBaseListSessionsRequest();
+    message.model = object.model ?? "";
+    return message;
+  },
+};
+
+function createBaseListSessionsResponse(): ListSessionsResponse {
+  return { sessions: [] };
+}
+
+export const ListSessionsResponse: MessageFns<ListSessionsResponse> = {
+  encode(message: ListSessionsResponse, writer: BinaryWriter = new BinaryWriter()): BinaryWriter {
+    for (const v of message.sessions) {
+      Session.encode(v!, writer.uint32(10).fork()).join();
+    }
+    return writer;
+  },
+
+  decode(input: BinaryReader | Uint8Array, length?: number): ListSessionsResponse {
+    const reader = input instanceof BinaryReader ? input : new BinaryReader(input);
+    const previousRecursionDepth = (reader as any).__tsProtoDecodeDepth ?? 0;
+    if (previousRecursionDepth >= 100) {
+      throw new globalThis.Error("protobuf decode recursion limit exceeded");
+    }
+    (reader as any).__tsProtoDecodeDepth = previousRecursionDepth + 1;
+    try {
+      const end = length === undefined ? reader.len : reader.pos + length;
+      const message = createBaseListSessionsResponse();
+      while (reader.pos < end) {
+        const tag = reader.uint32();
+        switch (tag >>> 3) {
+          case 1: {
+            if (tag !== 10) {
+              break;
+            }
+
+            message.sessions.push(Session.decode(reader, reader.uint32()));
+            continue;
+          }
+        }
+        if ((tag & 7) === 4 || tag === 0) {
+          break;
+        }
+        reader.skip(tag & 7);
+      }
+      return message;
+    } finally {
+      (reader as any).__tsProtoDecodeDepth = previousRecursionDepth;
+    }
+  },
+
+  create(base?: DeepPartial<ListSessionsResponse>): ListSessionsResponse {
+    return ListSessionsResponse.fromPartial(base ?? {});
+  },
+  fromPartial(object: DeepPartial<ListSessionsResponse>): ListSessionsResponse {
+    const message = createBaseListSessionsResponse();
+    message.sessions = object.sessions?.map((e) => Session.fromPartial(e)) || [];
+    return message;
+  },
+};
+
+function createBaseExportSessionRequest(): ExportSessionRequest {
+  return { sessionId: "" };
+}
+
+export const ExportSessionRequest: MessageFns<ExportSessionRequest> = {
+  encode(message: ExportSessionRequest, writer: BinaryWriter = new BinaryWriter()): BinaryWriter {
+    if (message.sessionId !== "") {
+      writer.uint32(10).string(message.sessionId);
+    }
+    return writer;
+  },
+
+  decode(input: BinaryReader | Uint8Array, length?: number): ExportSessionRequest {
+    const reader = input instanceof BinaryReader ? input : new BinaryReader(input);
+    const previousRecursionDepth = (reader as any).__tsProtoDecodeDepth ?? 0;
+    if (previousRecursionDepth >= 100) {
+      throw new globalThis.Error("protobuf decode recursion limit exceeded");
+    }
+    (reader as any).__tsProtoDecodeDepth = previousRecursionDepth + 1;
+    try {
+      const end = length === undefined ? reader.len : reader.pos + length;
+      const message = createBaseExportSessionRequest();
+      while (reader.pos < end) {
+        const tag = reader.uint32();
+        switch (tag >>> 3) {
+          case 1: {
+            if (tag !== 10) {
+              break;
+            }
+
+            message.sessionId = reader.string();
+            continue;
+          }
+        }
+        if ((tag & 7) === 4 || tag === 0) {
+          break;
+        }
+        reader.skip(tag & 7);
+      }
+      return message;
+    } finally {
+      (reader as any).__tsProtoDecodeDepth = previousRecursionDepth;
+    }
+  },
+
+  create(base?: DeepPartial<ExportSessionRequest>): ExportSessionRequest {
+    return ExportSessionRequest.fromPartial(base ?? {});
+  },
+  fromPartial(object: DeepPartial<ExportSessionRequest>): ExportSessionRequest {
+    const message = createBaseExportSessionRequest();
+    message.sessionId = object.sessionId ?? "";
+    return message;
+  },
+};
+
+function createBaseExportSessionChunk(): ExportSessionChunk {
+  return { data: Buffer.alloc(0), totalBytes: 0n };
+}
+
+export const ExportSessionChunk: MessageFns<ExportSessionChunk> = {
+  encode(message: ExportSessionChunk, writer: BinaryWriter = new BinaryWriter()): BinaryWriter {
+    if (message.data.length !== 0) {
+      writer.uint32(10).bytes(message.data);
+    }
+    if (message.totalBytes !== 0n) {
+      if (BigInt.asUintN(64, message.totalBytes) !== message.totalBytes) {
+        throw new globalThis.Error("value provided for field message.totalBytes of type uint64 too large");
+      }
+      writer.uint32(16).uint64(message.totalBytes);
+    }
+    return writer;
+  },
+
+  decode(input: BinaryReader | Uint8Array, length?: number): ExportSessionChunk {
+    const reader = input instanceof BinaryReader ? input : new BinaryReader(input);
+    const previousRecursionDepth = (reader as any).__tsProtoDecodeDepth ?? 0;
+    if (previousRecursionDepth >= 100) {
+      throw new globalThis.Error("protobuf decode recursion limit exceeded");
+    }
+    (reader as any).__tsProtoDecodeDepth = previousRecursionDepth + 1;
+    try {
+      const end = length === undefined ? reader.len : reader.pos + length;
+      const message = createBaseExportSessionChunk();
+      while (reader.pos < end) {
+        const tag = reader.uint32();
+        switch (tag >>> 3) {
+          case 1: {
+            if (tag !== 10) {
+              break;
+            }
+
+            message.data = Buffer.from(reader.bytes());
+            continue;
+          }
+          case 2: {
+            if (tag !== 16) {
+              break;
+            }
+
+            message.totalBytes = reader.uint64() as bigint;
+            continue;
+          }
+        }
+        if ((tag & 7) === 4 || tag === 0) {
+          break;
+        }
+        reader.skip(tag & 7);
+      }
+      return message;
+    } finally {
+      (reader as any).__tsProtoDecodeDepth = previousRecursionDepth;
+    }
+  },
+
+  create(base?: DeepPartial<ExportSessionChunk>): ExportSessionChunk {
+    return ExportSessionChunk.fromPartial(base ?? {});
+  },
+  fromPartial(object: DeepPartial<ExportSessionChunk>): ExportSessionChunk {
+    const message = createBaseExportSessionChunk();
+    message.data = object.data ?? Buffer.alloc(0);
+    message.totalBytes = (object.totalBytes !== undefined && object.totalBytes !== null)
+      ? BigInt(object.totalBytes)
+      : 0n;
+    return message;
+  },
+};
+
+function createBaseImportSessionRequest(): ImportSessionRequest {
+  return { model: "", sessionKey: "", settings: undefined, data: Buffer.alloc(0), offset: 0n, totalBytes: 0n };
+}
+
+export const ImportSessionRequest: MessageFns<ImportSessionRequest> = {
+  encode(message: ImportSessionRequest, writer: BinaryWriter = new BinaryWriter()): BinaryWriter {
+    if (message.model !== "") {
+      writer.uint32(10).string(message.model);
+    }
+    if (message.sessionKey !== "") {
+      writer.uint32(18).string(message.sessionKey);
+    }
+    if (message.settings !== undefined) {
+      Settings.encode(message.settings, writer.uint32(26).fork()).join();
+    }
+    if (message.data.length !== 0) {
+      writer.uint32(34).bytes(message.data);
+    }
+    if (message.offset !== 0n) {
+      if (BigInt.asUintN(64, message.offset) !== message.offset) {
+        throw new globalThis.Error("value provided for field message.offset of type uint64 too large");
+      }
+      writer.uint32(40).uint64(message.offset);
+    }
+    if (message.totalBytes !== 0n) {
+      if (BigInt.asUintN(64, message.totalBytes) !== message.totalBytes) {
+        throw new globalThis.Error("value provided for field message.totalBytes of type uint64 too large");
+      }
+      writer.uint32(48).uint64(message.totalBytes);
+    }
+    return writer;
+  },
+
+  decode(input: BinaryReader | Uint8Array, length?: number): ImportSessionRequest {
+    const reader = input instanceof BinaryReader ? input : new BinaryReader(input);
+    const previousRecursionDepth = (reader as any).__tsProtoDecodeDepth ?? 0;
+    if (previousRecursionDepth >= 100) {
+      throw new globalThis.Error("protobuf decode recursion limit exceeded");
+    }
+    (reader as any).__tsProtoDecodeDepth = previousRecursionDepth + 1;
+    try {
+      const end = length === undefined ? reader.len : reader.pos + length;
+      const message = createBaseImportSessionRequest();
+      while (reader.pos < end) {
+        const tag = reader.uint32();
+        switch (tag >>> 3) {
+          case 1: {
+            if (tag !== 10) {
+              break;
+            }
+
+            message.model = reader.string();
+            continue;
+          }
+          case 2: {
+            if (tag !== 18) {
+              break;
+            }
+
+            message.sessionKey = reader.string();
+            continue;
+          }
+          case 3: {
+            if (tag !== 26) {
+              break;
+            }
+
+            message.settings = Settings.decode(reader, reader.uint32());
+            continue;
+          }
+          case 4: {
+            if (tag !== 34) {
+              break;
+            }
+
+            message.data = Buffer.from(reader.bytes());
+            continue;
+          }
+          case 5: {
+            if (tag !== 40) {
+              break;
+            }
+
+            message.offset = reader.uint64() as bigint;
+            continue;
+          }
+          case 6: {
+            if (tag !== 48) {
+              break;
+            }
+
+            message.totalBytes = reader.uint64() as bigint;
+            continue;
+          }
+        }
+        if ((tag & 7) === 4 || tag === 0) {
+          break;
+        }
+        reader.skip(tag & 7);
+      }
+      return message;
+    } finally {
+      (reader as any).__tsProtoDecodeDepth = previousRecursionDepth;
+    }
+  },
+
+  create(base?: DeepPartial<ImportSessionRequest>): ImportSessionRequest {
+    return ImportSessionRequest.fromPartial(base ?? {});
+  },
+  fromPartial(object: DeepPartial<ImportSessionRequest>): ImportSessionRequest {
+    const message = createBaseImportSessionRequest();
+    message.model = object.model ?? "";
+    message.sessionKey = object.sessionKey ?? "";
+    message.settings = (object.settings !== undefined && object.settings !== null)
+      ? Settings.fromPartial(object.settings)
+      : undefined;
+    message.data = object.data ?? Buffer.alloc(0);
+    message.offset = (object.offset !== undefined && object.offset !== null) ? BigInt(object.offset) : 0n;
+    message.totalBytes = (object.totalBytes !== undefined && object.totalBytes !== null)
+      ? BigInt(object.totalBytes)
+      : 0n;
+    return message;
+  },
+};
+
 export type SessionServiceService = typeof SessionServiceService;
 export const SessionServiceService = {
   createSession: {
@@ -1002,6 +1543,56 @@ export const SessionServiceService = {
       Buffer.from(CloseSessionResponse.encode(value).finish()),
     responseDeserialize: (value: Buffer): CloseSessionResponse => CloseSessionResponse.decode(value),
   },
+  /**
+   * A new session that starts with another one's cache (whole, or up to a prefix of its
+   * history), copied at the KV level: its next turn reports those tokens as cached.
+   */
+  forkSession: {
+    path: "/hotloop.v1.SessionService/ForkSession" as const,
+    requestStream: false as const,
+    responseStream: false as const,
+    requestSerialize: (value: ForkSessionRequest): Buffer => Buffer.from(ForkSessionRequest.encode(value).finish()),
+    requestDeserialize: (value: Buffer): ForkSessionRequest => ForkSessionRequest.decode(value),
+    responseSerialize: (value: Session): Buffer => Buffer.from(Session.encode(value).finish()),
+    responseDeserialize: (value: Buffer): Session => Session.decode(value),
+  },
+  /** The caller's sessions on every replica of the model. */
+  listSessions: {
+    path: "/hotloop.v1.SessionService/ListSessions" as const,
+    requestStream: false as const,
+    responseStream: false as const,
+    requestSerialize: (value: ListSessionsRequest): Buffer => Buffer.from(ListSessionsRequest.encode(value).finish()),
+    requestDeserialize: (value: Buffer): ListSessionsRequest => ListSessionsRequest.decode(value),
+    responseSerialize: (value: ListSessionsResponse): Buffer =>
+      Buffer.from(ListSessionsResponse.encode(value).finish()),
+    responseDeserialize: (value: Buffer): ListSessionsResponse => ListSessionsResponse.decode(value),
+  },
+  /**
+   * Streams a session's cache out: tokens, KV state, settings and the model's fingerprint,
+   * in one self-checking blob cut into chunks.
+   */
+  exportSession: {
+    path: "/hotloop.v1.SessionService/ExportSession" as const,
+    requestStream: false as const,
+    responseStream: true as const,
+    requestSerialize: (value: ExportSessionRequest): Buffer => Buffer.from(ExportSessionRequest.encode(value).finish()),
+    requestDeserialize: (value: Buffer): ExportSessionRequest => ExportSessionRequest.decode(value),
+    responseSerialize: (value: ExportSessionChunk): Buffer => Buffer.from(ExportSessionChunk.encode(value).finish()),
+    responseDeserialize: (value: Buffer): ExportSessionChunk => ExportSessionChunk.decode(value),
+  },
+  /**
+   * Creates a session from an exported blob, sent in order in parts of at most 1 MiB (calls
+   * with the same session_key); the call carrying the last part returns the new session.
+   */
+  importSession: {
+    path: "/hotloop.v1.SessionService/ImportSession" as const,
+    requestStream: false as const,
+    responseStream: false as const,
+    requestSerialize: (value: ImportSessionRequest): Buffer => Buffer.from(ImportSessionRequest.encode(value).finish()),
+    requestDeserialize: (value: Buffer): ImportSessionRequest => ImportSessionRequest.decode(value),
+    responseSerialize: (value: Session): Buffer => Buffer.from(Session.encode(value).finish()),
+    responseDeserialize: (value: Buffer): Session => Session.decode(value),
+  },
 } as const;
 
 export interface SessionServiceServer extends UntypedServiceImplementation {
@@ -1014,6 +1605,23 @@ export interface SessionServiceServer extends UntypedServiceImplementation {
   updateSettings: handleUnaryCall<UpdateSettingsRequest, Session>;
   clearCache: handleUnaryCall<ClearCacheRequest, Session>;
   closeSession: handleUnaryCall<CloseSessionRequest, CloseSessionResponse>;
+  /**
+   * A new session that starts with another one's cache (whole, or up to a prefix of its
+   * history), copied at the KV level: its next turn reports those tokens as cached.
+   */
+  forkSession: handleUnaryCall<ForkSessionRequest, Session>;
+  /** The caller's sessions on every replica of the model. */
+  listSessions: handleUnaryCall<ListSessionsRequest, ListSessionsResponse>;
+  /**
+   * Streams a session's cache out: tokens, KV state, settings and the model's fingerprint,
+   * in one self-checking blob cut into chunks.
+   */
+  exportSession: handleServerStreamingCall<ExportSessionRequest, ExportSessionChunk>;
+  /**
+   * Creates a session from an exported blob, sent in order in parts of at most 1 MiB (calls
+   * with the same session_key); the call carrying the last part returns the new session.
+   */
+  importSession: handleUnaryCall<ImportSessionRequest, Session>;
 }
 
 export interface SessionServiceClient extends Client {
@@ -1114,6 +1722,73 @@ export interface SessionServiceClient extends Client {
     metadata: Metadata,
     options: Partial<CallOptions>,
     callback: (error: ServiceError | null, response: CloseSessionResponse) => void,
+  ): ClientUnaryCall;
+  /**
+   * A new session that starts with another one's cache (whole, or up to a prefix of its
+   * history), copied at the KV level: its next turn reports those tokens as cached.
+   */
+  forkSession(
+    request: ForkSessionRequest,
+    callback: (error: ServiceError | null, response: Session) => void,
+  ): ClientUnaryCall;
+  forkSession(
+    request: ForkSessionRequest,
+    metadata: Metadata,
+    callback: (error: ServiceError | null, response: Session) => void,
+  ): ClientUnaryCall;
+  forkSession(
+    request: ForkSessionRequest,
+    metadata: Metadata,
+    options: Partial<CallOptions>,
+    callback: (error: ServiceError | null, response: Session) => void,
+  ): ClientUnaryCall;
+  /** The caller's sessions on every replica of the model. */
+  listSessions(
+    request: ListSessionsRequest,
+    callback: (error: ServiceError | null, response: ListSessionsResponse) => void,
+  ): ClientUnaryCall;
+  listSessions(
+    request: ListSessionsRequest,
+    metadata: Metadata,
+    callback: (error: ServiceError | null, response: ListSessionsResponse) => void,
+  ): ClientUnaryCall;
+  listSessions(
+    request: ListSessionsRequest,
+    metadata: Metadata,
+    options: Partial<CallOptions>,
+    callback: (error: ServiceError | null, response: ListSessionsResponse) => void,
+  ): ClientUnaryCall;
+  /**
+   * Streams a session's cache out: tokens, KV state, settings and the model's fingerprint,
+   * in one self-checking blob cut into chunks.
+   */
+  exportSession(
+    request: ExportSessionRequest,
+    options?: Partial<CallOptions>,
+  ): ClientReadableStream<ExportSessionChunk>;
+  exportSession(
+    request: ExportSessionRequest,
+    metadata?: Metadata,
+    options?: Partial<CallOptions>,
+  ): ClientReadableStream<ExportSessionChunk>;
+  /**
+   * Creates a session from an exported blob, sent in order in parts of at most 1 MiB (calls
+   * with the same session_key); the call carrying the last part returns the new session.
+   */
+  importSession(
+    request: ImportSessionRequest,
+    callback: (error: ServiceError | null, response: Session) => void,
+  ): ClientUnaryCall;
+  importSession(
+    request: ImportSessionRequest,
+    metadata: Metadata,
+    callback: (error: ServiceError | null, response: Session) => void,
+  ): ClientUnaryCall;
+  importSession(
+    request: ImportSessionRequest,
+    metadata: Metadata,
+    options: Partial<CallOptions>,
+    callback: (error: ServiceError | null, response: Session) => void,
   ): ClientUnaryCall;
 }
 
