@@ -205,3 +205,19 @@ def test_errors_without_rich_details_still_map() -> None:
     assert plain.reason is None and plain.field_violations == () and plain.retry_delay is None
     lying = from_rpc_error(RichRpcError(grpc.StatusCode.NOT_FOUND, "x", (("grpc-status-details-bin", b"\x08\x03"),)))
     assert isinstance(lying, NotFound) and lying.reason is None
+
+
+def test_retries_follow_the_servers_word_then_rays() -> None:
+    from hotloop_client._base import retriable
+
+    from hotloop_serve import errors as server
+
+    assert retriable(_from_server(server.Unavailable("draining")))  # RetryInfo
+    assert retriable(_from_server(server.ResourceExhausted("queue full", retry_after_s=1.0)))
+    assert not retriable(_from_server(server.ResourceExhausted("too many sessions")))
+    # Our own INTERNAL is a bug, even if its text happens to say "replica": never re-sent.
+    assert not retriable(_from_server(RuntimeError("replica state corrupt")))
+    # Without rich details (gRPC itself, Ray's proxy): the code and Ray's wording decide.
+    assert retriable(FakeRpcError(grpc.StatusCode.UNAVAILABLE, "connection refused"))
+    assert retriable(FakeRpcError(grpc.StatusCode.INTERNAL, "ray.exceptions.ActorDiedError: gone"))
+    assert not retriable(FakeRpcError(grpc.StatusCode.INTERNAL, "division by zero"))

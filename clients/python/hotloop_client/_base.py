@@ -26,7 +26,7 @@ import grpc.aio
 from google.protobuf.descriptor import FieldDescriptor
 from hotloop.v1 import common_pb2, model_pb2, serve_proxy_pb2, session_pb2
 
-from ._errors import HotloopError, TurnInterrupted, from_rpc_error, status_of
+from ._errors import HotloopError, TurnInterrupted, from_rpc_error, rich_details, status_of
 from ._types import (
     Chunk,
     FinishReason,
@@ -149,6 +149,22 @@ def is_failover(code: grpc.StatusCode, details: str) -> bool:
     return False
 
 
+def retriable(exc: BaseException) -> bool:
+    """Whether the same request may be re-sent after ``exc``.
+
+    hotloop-serve says so itself in its rich status (``RetryInfo``; its errors always carry an
+    ``ErrorInfo``, so one without ``RetryInfo`` is not retried, whatever its text says). Errors
+    without rich details come from gRPC or from Ray's proxy (a replica that died): for those,
+    :func:`is_failover` decides from the code and Ray's wording.
+    """
+    reason, _, retry_delay = rich_details(exc)
+    if retry_delay is not None:
+        return True
+    if reason is not None:
+        return False
+    return is_failover(*status_of(exc))
+
+
 class Deadline:
     """A call's overall deadline, shared by its attempts so a retry cannot double it."""
 
@@ -185,8 +201,7 @@ class StreamProgress:
 
     def should_retry(self, exc: BaseException) -> bool:
         """Whether to start another attempt after ``exc`` (and count it)."""
-        code, details = status_of(exc)
-        if self.parts or self.attempts >= MAX_ATTEMPTS or not is_failover(code, details):
+        if self.parts or self.attempts >= MAX_ATTEMPTS or not retriable(exc):
             return False
         self.attempts += 1
         return True
@@ -194,14 +209,14 @@ class StreamProgress:
     def error(self, exc: BaseException) -> HotloopError:
         """The SDK error to raise for ``exc`` when not retrying."""
         code, details = status_of(exc)
-        if self.parts and is_failover(code, details):
+        if self.parts and retriable(exc):
             return TurnInterrupted(details, "".join(self.parts), code)
         return from_rpc_error(exc)
 
 
 def should_retry_unary(exc: BaseException, attempt: int) -> bool:
-    """Unary RPCs are idempotent, so a failover error is retried (up to MAX_ATTEMPTS attempts)."""
-    return attempt < MAX_ATTEMPTS and is_failover(*status_of(exc))
+    """Unary RPCs are idempotent, so a retriable error is retried (up to MAX_ATTEMPTS attempts)."""
+    return attempt < MAX_ATTEMPTS and retriable(exc)
 
 
 # --------------------------------------------------------------------------- conversions
