@@ -303,11 +303,31 @@ class Engine:
         self._call(fork)
         return self.session_info(new_id, owner)
 
-    def list_sessions(self, owner: str) -> list[SessionInfo]:
-        """The sessions of ``owner`` on this engine, most recently used first."""
+    def list_sessions(self, owner: str | None) -> list[SessionInfo]:
+        """The sessions of ``owner`` (None: of everyone) on this engine, most recently used first."""
         with self._lock:
-            mine = [self._info(s) for s in self._sessions.values() if s.owner == owner]
+            mine = [self._info(s) for s in self._sessions.values() if owner is None or s.owner == owner]
         return sorted(mine, key=lambda i: i.last_used, reverse=True)
+
+    def release_session(self, session_id: str, owner: str) -> bytes | None:
+        """Hand a session over: its exported cache, and it is forgotten here (its persisted copy
+        too). None, keeping it, when it is serving a request or holds no cache."""
+        with self._lock:
+            s = self._sessions.owned(session_id, owner)
+
+        def release() -> tuple[list[int], KVBytes | None]:
+            if s.busy:
+                return [], None
+            tokens, data = self.kv.snapshot(s)
+            if data is not None:
+                data = to_kv_bytes(bytes(data))  # a copy: forgetting frees the original
+                self._forget(s)
+            return tokens, data
+
+        tokens, data = self._call(release)
+        if data is None:
+            return None
+        return SessionBlob(self.fingerprint, tokens, s.settings, bytes(data)).encode()
 
     def export_session(self, session_id: str, owner: str) -> bytes:
         """The session's cache as a portable blob (tokens, KV state, settings, model fingerprint)."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import time
 from typing import Any
 
 from hotloop.v1 import session_pb2 as spb
@@ -13,15 +14,27 @@ from ray import serve
 from hotloop_serve.config import config_from_dict
 from hotloop_serve.engine.engine import Engine
 from hotloop_serve.engine.settings import SamplingSettings
+from hotloop_serve.errors import HotloopError
 from hotloop_serve.serve.auth import Authenticator, describe_tokens, load_tokens
 from hotloop_serve.serve.model_source import resolve_model_path
 from hotloop_serve.serve.router import rendezvous_order
 from hotloop_serve.serve.servicer import ModelServicer
-from hotloop_serve.serve.session_ids import SessionIds, new_routing_key
+from hotloop_serve.serve.session_ids import SessionIds, new_routing_key, routing_key
 from hotloop_serve.telemetry import Telemetry, configure_telemetry
 from hotloop_serve.telemetry.setup import shutdown_telemetry
 
 log = logging.getLogger("ray.serve")
+
+TRANSFER_TIMEOUT_S = 3.0
+"""Longest wait for one session's transfer between replicas; past it the cache is rebuilt."""
+
+
+def _key_owned_by(index: int, ranks: list[str]) -> str:
+    """A routing key whose owner among ``ranks`` is ``ranks[index]`` (steers a handle call there)."""
+    while True:
+        key = new_routing_key()
+        if rendezvous_order(key, ranks)[0] == index:
+            return key
 
 
 class ModelReplica(ModelServicer):
@@ -48,6 +61,7 @@ class ModelReplica(ModelServicer):
         telemetry = Telemetry(
             mcfg.name, replica_id, engine.stats, tracer_provider, meter_provider, cfg.telemetry.request_log
         )
+        self.fleet = {"handed_over": 0, "adopted": 0, "fetched": 0, "given": 0, "fetch_failures": 0}
         super().__init__(
             cfg,
             mcfg,
@@ -120,8 +134,8 @@ class ModelReplica(ModelServicer):
             return 1
 
     def stats(self) -> dict[str, Any]:
-        """The engine's counters (for operators' scripts and leak checks), via a deployment handle."""
-        return dataclasses.asdict(self.engine.stats())
+        """The engine's counters and the fleet's (for operators' scripts, `status`, leak checks)."""
+        return {**dataclasses.asdict(self.engine.stats()), **self.fleet, "rank": self._rank}
 
     def record_replica_metadata(self) -> dict[str, Any]:
         """Published to the routers once, at start: the rank is what session affinity hashes on."""
@@ -143,10 +157,92 @@ class ModelReplica(ModelServicer):
         if not self.engine.alive:
             raise RuntimeError("the engine's scheduler thread is not running")
 
-    def __del__(self) -> None:
+    # -- the fleet: sessions move with their caches -------------------------------------
+    # A replica that leaves (scale-in, rolling upgrade, graceful stop) hands each cached
+    # session to the replica that owns its key once it is gone (``hand_over``, from Ray's
+    # graceful shutdown); a replica that joins fetches a session it now owns from the replica
+    # that owned it before, on first use (``adopt_from_previous_owner``). Either way a transfer
+    # that fails or times out only means the next turn re-prefills: never an error, never a
+    # wrong cache (the blob carries the model fingerprint; ids are bound to their principal).
+
+    async def AdoptSession(self, target: spb.ImportSessionRequest, principal: str, sid: str, blob: bytes) -> bool:
+        """Take a session handed over by a leaving replica (``target`` steers the router here)."""
+        if self.engine.known(sid):
+            return False  # it is already here: the newer copy wins
+        try:
+            await asyncio.to_thread(self.engine.import_session, sid, principal, blob)
+        except HotloopError as e:
+            log.warning("refused a handed-over session: %s", e.message)
+            return False
+        self.fleet["adopted"] += 1
+        return True
+
+    async def GiveSession(self, target: spb.ImportSessionRequest, principal: str, sid: str) -> bytes | None:
+        """Give a session to its new owner (and forget it here); None if there is nothing to give."""
+        if not self.engine.known(sid):
+            return None
+        try:
+            blob = await asyncio.to_thread(self.engine.release_session, sid, principal)
+        except HotloopError:
+            return None
+        if blob is not None:
+            self.fleet["given"] += 1
+        return blob
+
+    async def adopt_from_previous_owner(self, sid: str, principal: str) -> None:
+        ranks = await self._ranks()
+        mine = str(self._rank)
+        key = routing_key(sid)
+        if len(ranks) < 2 or ranks[rendezvous_order(key, ranks)[0]] != mine:
+            return  # one replica, or not the owner (a spilled turn): nothing to fetch
+        others = [r for r in ranks if r != mine]
+        previous = ranks.index(others[rendezvous_order(key, others)[0]])
+        probe = _key_owned_by(previous, ranks)
+        handle = serve.get_deployment_handle(self._deployment, self._app)
+        try:
+            call = handle.GiveSession.remote(spb.ImportSessionRequest(session_key=probe), principal, sid)
+            blob = await asyncio.wait_for(call, TRANSFER_TIMEOUT_S)
+            if blob is not None:
+                await asyncio.to_thread(self.engine.import_session, sid, principal, blob)
+                self.fleet["fetched"] += 1
+        except Exception as e:  # the previous owner is gone or slow: the history rebuilds the cache
+            self.fleet["fetch_failures"] += 1
+            log.info("could not fetch session %s from rank %s: %r", sid[:12], ranks[previous], e)
+
+    async def hand_over(self, budget_s: float) -> int:
+        """Send every cached session to its next owner, most recently used first, within ``budget_s``."""
+        deadline = time.monotonic() + budget_s
+        handle = serve.get_deployment_handle(self._deployment, self._app)
+        moved = 0
+        for info in self.engine.list_sessions(None):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            if not info.context_tokens:
+                continue
+            try:
+                blob = await asyncio.to_thread(self.engine.export_session, info.id, info.owner)
+                target = spb.ImportSessionRequest(session_key=routing_key(info.id))
+                call = handle.AdoptSession.remote(target, info.owner, info.id, blob)
+                moved += bool(await asyncio.wait_for(call, min(left, TRANSFER_TIMEOUT_S)))
+            except Exception as e:
+                log.info("hand-over of session %s failed: %r", info.id[:12], e)
+        self.fleet["handed_over"] += moved
+        return moved
+
+    async def __del__(self) -> None:
+        """Ray's graceful shutdown (after in-flight requests drained): hand sessions over, then
+        stop the engine (which snapshots what is left to the disk tier, if configured)."""
         engine = getattr(self, "engine", None)
         if engine is not None:
-            engine.close()
+            if self.model.handover and engine.alive:
+                budget = self.model.graceful_shutdown_timeout_s * 0.6
+                try:
+                    moved = await self.hand_over(budget)
+                    log.info("handed %d sessions over to their next owners", moved)
+                except Exception:
+                    log.exception("session hand-over failed")
+            await asyncio.to_thread(engine.close)
         shutdown_telemetry()
 
 

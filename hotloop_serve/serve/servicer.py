@@ -161,6 +161,21 @@ class ModelServicer:
             raise NotFound(f"session {session_id!r} not found (it was closed)")
         return sid
 
+    async def _here(self, session_id: str, principal: str) -> str:
+        """A verified session id whose cache, if it exists anywhere, is on this replica now.
+
+        A session this replica does not know may have been cached by the replica that owned
+        its key before the fleet changed: :meth:`adopt_from_previous_owner` brings it over
+        first. Not finding it anywhere is fine: the next turn rebuilds it from its history.
+        """
+        sid = self._session(session_id, principal)
+        if not self.engine.known(sid):
+            await self.adopt_from_previous_owner(sid, principal)
+        return sid
+
+    async def adopt_from_previous_owner(self, sid: str, principal: str) -> None:
+        """Fetch a session from the replica that owned it before; overridden where replicas exist."""
+
     def _session_proto(self, sid: str, principal: str) -> spb.Session:
         info = self.engine.session_info(sid, principal) if self.engine.known(sid) else None
         settings = info.settings if info else self.engine.settings_of(sid, principal)
@@ -248,18 +263,18 @@ class ModelServicer:
 
     @unary(spb.Session)
     async def GetSession(self, request: spb.GetSessionRequest, principal: str, span: RpcSpan) -> spb.Session:
-        return self._session_proto(self._session(request.session_id, principal), principal)
+        return self._session_proto(await self._here(request.session_id, principal), principal)
 
     @unary(spb.Session)
     async def UpdateSettings(self, request: spb.UpdateSettingsRequest, principal: str, span: RpcSpan) -> spb.Session:
-        sid = self._session(request.session_id, principal)
+        sid = await self._here(request.session_id, principal)
         settings = convert.settings_from_proto(request.settings, self.engine.defaults)
         self.engine.update_settings(sid, principal, settings)
         return self._session_proto(sid, principal)
 
     @unary(spb.Session)
     async def ClearCache(self, request: spb.ClearCacheRequest, principal: str, span: RpcSpan) -> spb.Session:
-        sid = self._session(request.session_id, principal)
+        sid = await self._here(request.session_id, principal)
         if self.engine.known(sid):
             await asyncio.to_thread(self.engine.clear_cache, sid, principal)
         return self._session_proto(sid, principal)
@@ -268,7 +283,7 @@ class ModelServicer:
     async def CloseSession(
         self, request: spb.CloseSessionRequest, principal: str, span: RpcSpan
     ) -> spb.CloseSessionResponse:
-        sid = self._session(request.session_id, principal)
+        sid = await self._here(request.session_id, principal)
         if self.engine.known(sid):
             await asyncio.to_thread(self.engine.close_session, sid, principal)
         self._closed[sid] = None
@@ -282,7 +297,7 @@ class ModelServicer:
         """Runs on the source's owner and forks there, under a routing key this replica owns:
         the copy is made in KV memory (``seq_cp``) and every turn of the fork comes back here."""
         self._check_size(request)
-        source = self._session(request.session_id, principal)
+        source = await self._here(request.session_id, principal)
         if not self.engine.known(source):
             raise NotFound(f"session {request.session_id!r} has no cache on this server (it was never used)")
         keep = convert.messages_from_proto(request.messages, self.model.limits.max_messages) or None
@@ -324,7 +339,7 @@ class ModelServicer:
         try:
             with self.telemetry.rpc("ExportSession", grpc_context) as span:
                 principal = self._principal(grpc_context)
-                sid = self._session(request.session_id, principal)
+                sid = await self._here(request.session_id, principal)
                 span.set_attribute("hotloop.session_id", sid)
                 if not self.engine.known(sid):
                     raise NotFound(f"session {request.session_id!r} has no cache on this server (it was never used)")
@@ -383,7 +398,7 @@ class ModelServicer:
     @unary(spb.WarmupResponse)
     async def Warmup(self, request: spb.WarmupRequest, principal: str, span: RpcSpan) -> spb.WarmupResponse:
         self._check_size(request)
-        sid = self._session(request.session_id, principal)
+        sid = await self._here(request.session_id, principal)
         span.set_attribute("hotloop.session_id", sid)
         hit = self.engine.known(sid)
         messages = convert.messages_from_proto(request.messages, self.model.limits.max_messages)
@@ -419,7 +434,7 @@ class ModelServicer:
             with self.telemetry.rpc("Generate", grpc_context) as span:
                 principal = self._principal(grpc_context)
                 self._check_size(request)
-                sid = self._session(request.session_id, principal)
+                sid = await self._here(request.session_id, principal)
                 span.set_attribute("hotloop.session_id", sid)
                 messages = convert.messages_from_proto(request.messages, self.model.limits.max_messages)
                 settings = self._turn_settings(request.settings, sid, principal)
