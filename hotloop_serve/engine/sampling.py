@@ -1,8 +1,9 @@
 """Per-request sampling (llama.cpp's sampler chain) and the text a request streams out.
 
-``Sampler`` owns one llama.cpp sampler chain built from a session's settings: a grammar
-(structured output) first, penalties, top-k, top-p, min-p, temperature, then a seeded draw
-(or greedy at temperature 0). The draw's RNG lives in the chain, so a fixed seed reproduces
+``Sampler`` owns one llama.cpp sampler chain built from a session's settings: penalties,
+top-k, top-p, min-p, temperature, then a seeded draw (or greedy at temperature 0); with a
+grammar (structured output), llama.cpp's grammar sampler constrains the draw
+(``_sample_constrained``). The draw's RNG lives in the chain, so a fixed seed reproduces
 a reply whatever else shares the batch. A request that asked for logprobs also gets each
 sampled token's log-probability from the row's logits (numpy, only for those requests).
 
@@ -14,6 +15,9 @@ sequence until it knows.
 from __future__ import annotations
 
 import codecs
+import ctypes
+import functools
+import math
 import random
 from collections.abc import Callable, Sequence
 
@@ -24,6 +28,8 @@ from hotloop_serve.engine.settings import SamplingSettings
 from hotloop_serve.engine.stream import TokenLogprob
 from hotloop_serve.errors import InvalidArgument
 
+_TOKEN_DATA = np.dtype([("id", np.int32), ("logit", np.float32), ("p", np.float32)])
+"""llama.cpp's ``llama_token_data``, as a numpy record."""
 _RANDOM_SEED_SENTINEL = 0xFFFFFFFF  # llama.cpp's LLAMA_DEFAULT_SEED: "draw a random seed"
 
 
@@ -31,6 +37,11 @@ def fold_seed(seed: int) -> int:
     """A 64-bit user seed folded to llama.cpp's 32 bits, every bit mattering, never its random sentinel."""
     folded = (seed ^ (seed >> 32)) & 0xFFFFFFFF
     return 0x9E3779B9 if folded == _RANDOM_SEED_SENTINEL else folded
+
+
+@functools.lru_cache(maxsize=4)
+def _token_ids(n_vocab: int) -> np.ndarray:
+    return np.arange(n_vocab, dtype=np.int32)
 
 
 def prefilter_k(settings: SamplingSettings) -> int:
@@ -56,7 +67,7 @@ class Sampler:
     end-of-generation token ends the reply before it could ever be penalized.
     """
 
-    __slots__ = ("_chain", "_logprobs", "_n_vocab", "_top")
+    __slots__ = ("_chain", "_grammar", "_logprobs", "_n_vocab", "_top")
 
     def __init__(
         self, settings: SamplingSettings, n_vocab: int, rng: random.Random, vocab: ll.llama_vocab_p | None = None
@@ -66,16 +77,14 @@ class Sampler:
         self._logprobs: list[TokenLogprob] | None = [] if settings.logprobs else None
         self._top = settings.top_logprobs
         grammar = settings.effective_grammar
+        self._grammar = None
+        if grammar:
+            self._grammar = ll.llama_sampler_init_grammar(vocab, grammar.encode(), b"root")
+            if not self._grammar:
+                self._grammar = None
+                raise InvalidArgument("grammar could not be loaded by llama.cpp (see the server log)")
         chain = ll.llama_sampler_chain_init(ll.llama_sampler_chain_default_params())
         add = ll.llama_sampler_chain_add
-        if grammar:
-            # First: it masks every token the grammar forbids (an end-of-generation token
-            # until the grammar is complete), so whatever follows draws an allowed one.
-            constraint = ll.llama_sampler_init_grammar(vocab, grammar.encode(), b"root")
-            if not constraint:
-                ll.llama_sampler_free(chain)
-                raise InvalidArgument("grammar could not be loaded by llama.cpp (see the server log)")
-            add(chain, constraint)
         if settings.repeat_penalty != 1.0 and settings.repeat_last_n > 0:
             k = prefilter_k(settings)
             if 0 < k < n_vocab:
@@ -97,7 +106,47 @@ class Sampler:
 
     def sample(self, ctx: ll.llama_context_p, output_index: int) -> int:
         """Sample (and accept) a token from the logits at ``output_index`` of the last decode."""
-        return int(ll.llama_sampler_sample(self._chain, ctx, output_index))
+        if self._grammar is None:
+            return int(ll.llama_sampler_sample(self._chain, ctx, output_index))
+        return self._sample_constrained(ctx, output_index)
+
+    def _candidates(self, ctx: ll.llama_context_p, output_index: int) -> tuple[np.ndarray, ll.llama_token_data_array]:
+        """The row's logits as llama.cpp's candidate array (what ``llama_sampler_sample`` builds)."""
+        data = np.empty(self._n_vocab, dtype=_TOKEN_DATA)
+        data["id"] = _token_ids(self._n_vocab)
+        data["logit"] = np.ctypeslib.as_array(ll.llama_get_logits_ith(ctx, output_index), shape=(self._n_vocab,))
+        data["p"] = 0.0
+        cur = ll.llama_token_data_array(
+            data=data.ctypes.data_as(ll.llama_token_data_p), size=self._n_vocab, selected=-1, sorted=False
+        )
+        return data, cur
+
+    def _sample_constrained(self, ctx: ll.llama_context_p, output_index: int) -> int:
+        """Grammar-constrained sampling at the cost of unconstrained sampling, mostly.
+
+        The grammar sampler checks every candidate against the grammar (262,144 for Gemma:
+        about as long as a decode step on a CPU). As llama.cpp's own server does, draw from the
+        unconstrained distribution first and check only that token; when the grammar refuses
+        it, apply the grammar to every candidate and draw again. Either way the token drawn is
+        one the grammar allows, from the same chain (the grammar masks first on a redraw), and
+        both the chain and the grammar accept it.
+        """
+        assert self._grammar is not None
+        keep, cur = self._candidates(ctx, output_index)
+        ll.llama_sampler_apply(self._chain, ctypes.byref(cur))
+        token = int(cur.data[cur.selected].id)
+        one = (ll.llama_token_data * 1)(ll.llama_token_data(token, 1.0, 0.0))
+        single = ll.llama_token_data_array(data=one, size=1, selected=-1, sorted=False)
+        ll.llama_sampler_apply(self._grammar, ctypes.byref(single))
+        if one[0].logit == -math.inf:
+            keep, cur = self._candidates(ctx, output_index)
+            ll.llama_sampler_apply(self._grammar, ctypes.byref(cur))
+            ll.llama_sampler_apply(self._chain, ctypes.byref(cur))
+            token = int(cur.data[cur.selected].id)
+        del keep
+        ll.llama_sampler_accept(self._grammar, token)
+        ll.llama_sampler_accept(self._chain, token)
+        return token
 
     def record_logprob(
         self, ctx: ll.llama_context_p, output_index: int, token: int, piece: Callable[[int], bytes]
@@ -124,6 +173,9 @@ class Sampler:
         return out
 
     def free(self) -> None:
+        if self._grammar is not None:
+            ll.llama_sampler_free(self._grammar)
+            self._grammar = None
         if self._chain is not None:
             ll.llama_sampler_free(self._chain)
             self._chain = None

@@ -21,7 +21,6 @@ follow-up (the same messages plus new ones) prefills only its new tokens, and
 explains the mapping and the isolation between principals.
 """
 
-
 import asyncio
 import functools
 import json
@@ -104,7 +103,9 @@ async def _collect(cid: str, model: str, first: dict[str, Any], items: Any) -> R
         if "finish_reason" in item:
             break
         item = await items.__anext__()
-    return JSONResponse(oa.completion_json(cid, model, "".join(text), item["finish_reason"], logprobs, item["usage"]))
+    body = oa.completion_json(cid, model, "".join(text), item["finish_reason"], logprobs, item["usage"])
+    body["hotloop"] = item["hotloop"]
+    return JSONResponse(body)
 
 
 async def _events(cid: str, model: str, first: dict[str, Any], items: Any, include_usage: bool) -> AsyncIterator[bytes]:
@@ -123,7 +124,9 @@ async def _events(cid: str, model: str, first: dict[str, Any], items: Any, inclu
             if item["text"] or lp:
                 yield _sse(oa.chunk_json(cid, model, created, {"content": item["text"]}, logprobs=lp))
             if "finish_reason" in item:
-                yield _sse(oa.chunk_json(cid, model, created, {}, item["finish_reason"]))
+                last = oa.chunk_json(cid, model, created, {}, item["finish_reason"])
+                last["hotloop"] = item["hotloop"]
+                yield _sse(last)
                 if include_usage:
                     chunk = oa.chunk_json(cid, model, created, {})
                     chunk["choices"] = []
@@ -285,6 +288,7 @@ class HttpModelReplica(ModelReplica):
                             "completion_tokens": u.completion_tokens,
                             "cached_tokens": u.cached_tokens + u.restored_tokens,
                         }
+                        item["hotloop"] = oa.hotloop_json(chunk, self.served_by)
                     yield item
         except (GeneratorExit, asyncio.CancelledError):
             if stream is not None:

@@ -25,7 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from hotloop_serve.engine.chat_template import ChatMessage
 from hotloop_serve.engine.settings import SamplingSettings
-from hotloop_serve.engine.stream import TokenLogprob
+from hotloop_serve.engine.stream import Chunk, TokenLogprob
 from hotloop_serve.errors import HotloopError, InvalidArgument
 
 SESSION_HEADER = "x-session-id"
@@ -219,6 +219,31 @@ def logprob_json(lp: TokenLogprob) -> dict[str, Any]:
         "top_logprobs": [
             {"token": p.decode("utf-8", errors="replace"), "logprob": v, "bytes": list(p)} for _, p, v in lp.top
         ],
+    }
+
+
+def hotloop_json(final: Chunk, served_by: Any) -> dict[str, Any]:
+    """The ``hotloop`` extension of a reply's last object: where its prompt came from (cached,
+    restored from RAM, prefilled), server timings, and which replica served it."""
+    u, t = final.usage, final.timings
+    assert u is not None and t is not None
+    return {
+        "usage": {
+            "cached_tokens": u.cached_tokens,
+            "restored_tokens": u.restored_tokens,
+            "prefilled_tokens": u.prefilled_tokens,
+        },
+        "timings": {
+            "queue_ms": t.queue_ms,
+            "prefill_ms": t.prefill_ms,
+            "time_to_first_token_ms": t.time_to_first_token_ms,
+            "decode_ms": t.decode_ms,
+        },
+        "served_by": {
+            "replica": served_by.replica,
+            "replica_rank": served_by.replica_rank,
+            "cache_hit": final.cache_hit,
+        },
     }
 
 
