@@ -367,6 +367,7 @@ export function sessionInfoFromProto(pb: pbs.Session): SessionInfo {
     contextTokens: pb.contextTokens,
     state: pb.state,
     ...(pb.servedBy && { servedBy: servedByFromProto(pb.servedBy) }),
+    lastUsed: pb.lastUsedUnix,
   };
 }
 
@@ -413,6 +414,81 @@ export class SessionState {
   warmupRequest(history: HistoryLike): pbs.WarmupRequest {
     return { sessionId: this.id, messages: messagesToProto(history), settings: settingsToProto(this.settings) };
   }
+}
+
+// --------------------------------------------------------------------------- session operations
+
+/** Normalised messages of a history (a bad item throws `TypeError`). */
+export function asMessages(history: HistoryLike): Message[] {
+  return Array.from(history, asMessage);
+}
+
+/**
+ * The history to send to regenerate its last reply: everything before the final assistant
+ * message (the server reuses the cache up to there).
+ */
+export function withoutLastReply(history: HistoryLike): Message[] {
+  const messages = asMessages(history);
+  if (messages.length === 0 || messages[messages.length - 1]?.role !== "assistant") {
+    throw new TypeError("the history does not end with an assistant reply to regenerate");
+  }
+  return messages.slice(0, -1);
+}
+
+/**
+ * The history to send after editing message `index` (negative counts from the end): it,
+ * changed, and everything before it. What followed belonged to the old branch; the server
+ * reuses the cache exactly up to the first token that differs.
+ */
+export function withMessageReplaced(history: HistoryLike, index: number, content: string): Message[] {
+  const messages = asMessages(history);
+  if (!Number.isInteger(index) || index < -messages.length || index >= messages.length) {
+    throw new RangeError(`message ${index} is not in a history of ${messages.length}`);
+  }
+  const at = index < 0 ? index + messages.length : index;
+  const old = messages[at] as Message;
+  return [...messages.slice(0, at), { role: old.role, content }];
+}
+
+/** Size of each ImportSession part (the server accepts up to 1 MiB per part). */
+export const IMPORT_PART_BYTES = 1 << 20;
+
+/** An exported blob as the ordered ImportSession parts, all with the same routing key. */
+export function importRequests(
+  model: string,
+  key: string,
+  data: Uint8Array,
+  settings: Settings | undefined,
+): pbs.ImportSessionRequest[] {
+  const proto = settings === undefined ? undefined : settingsToProto(settings);
+  const blob = Buffer.from(data.buffer, data.byteOffset, data.byteLength); // a view, no copy
+  const out: pbs.ImportSessionRequest[] = [];
+  for (let offset = 0; offset < blob.length || out.length === 0; offset += IMPORT_PART_BYTES) {
+    out.push({
+      model,
+      sessionKey: key,
+      settings: proto,
+      data: blob.subarray(offset, offset + IMPORT_PART_BYTES),
+      offset: BigInt(offset),
+      totalBytes: BigInt(data.length),
+    });
+  }
+  return out;
+}
+
+/** A ForkSession request: the fork keeps `history`'s prefix of the cache (all when empty). */
+export function forkRequest(
+  sessionId: string,
+  history: HistoryLike | undefined,
+  settings: Settings,
+  key: string,
+): pbs.ForkSessionRequest {
+  return {
+    sessionId,
+    messages: messagesToProto(history ?? []),
+    settings: settingsToProto(settings),
+    sessionKey: key,
+  };
 }
 
 export function createSessionRequest(model: string, settings: Settings, key: string): pbs.CreateSessionRequest {

@@ -6,7 +6,7 @@
 import * as grpc from "@grpc/grpc-js";
 
 import * as base from "./base";
-import { Cancelled, fromRpcError, isStatusError, NotFound, Status } from "./errors";
+import { Cancelled, errorForStatus, fromRpcError, isStatusError, NotFound, Status } from "./errors";
 import { ModelServiceService } from "./gen/hotloop/v1/model";
 import type { ListApplicationsRequest } from "./gen/hotloop/v1/serve_proxy";
 import type * as pbs from "./gen/hotloop/v1/session";
@@ -199,6 +199,54 @@ export class Transport {
     }
   }
 
+  /**
+   * An ExportSession stream collected into one blob. Exporting only reads, so a failover
+   * restarts it from the beginning (with backoff), like a unary call.
+   */
+  async exportBlob(
+    request: pbs.ExportSessionRequest,
+    application: string,
+    options: CallOptions,
+    sessionKey: string,
+  ): Promise<Uint8Array> {
+    const { signal } = options;
+    const deadline = this.deadline(options.timeoutMs, true);
+    const method = SessionServiceService.exportSession;
+    for (let attempt = 1; ; attempt++) {
+      if (signal?.aborted) throw cancelledBy(signal);
+      const call: grpc.ClientReadableStream<pbs.ExportSessionChunk> = this.grpc.makeServerStreamRequest(
+        method.path,
+        method.requestSerialize,
+        method.responseDeserialize,
+        request,
+        this.metadata(application, sessionKey),
+        { deadline },
+      );
+      call.on("error", () => {}); // the status reaches the loop below
+      const onAbort = (): void => call.cancel();
+      signal?.addEventListener("abort", onAbort, { once: true });
+      const parts: Buffer[] = [];
+      let total: bigint | undefined;
+      try {
+        for await (const pb of call as AsyncIterable<pbs.ExportSessionChunk>) {
+          parts.push(pb.data);
+          total = pb.totalBytes;
+        }
+        const blob = Buffer.concat(parts);
+        if (total !== undefined && BigInt(blob.length) !== total) {
+          throw errorForStatus(Status.DATA_LOSS, `the export stream ended after ${blob.length} of ${total} bytes`);
+        }
+        return new Uint8Array(blob.buffer, blob.byteOffset, blob.byteLength);
+      } catch (err) {
+        if (signal?.aborted || !base.shouldRetryUnary(err, attempt)) throw this.error(err, signal);
+      } finally {
+        signal?.removeEventListener("abort", onAbort);
+        call.cancel();
+      }
+      await sleep(base.backoffMs(this.retryDelayMs, attempt), signal);
+    }
+  }
+
   /** A Generate stream: retried with backoff before any text, `TurnInterrupted` after. */
   async *generate(request: pbs.GenerateRequest, application: string, options: CallOptions): AsyncGenerator<Chunk> {
     const { signal } = options;
@@ -350,6 +398,34 @@ export class Model {
     return new Session(this.#transport, state);
   }
 
+  /** Your sessions of this model on every replica, most recently used first. */
+  async listSessions(options: CallOptions = {}): Promise<SessionInfo[]> {
+    const request = { model: this.name };
+    const pb = await this.#transport.unary(SessionServiceService.listSessions, request, this.name, options);
+    return pb.sessions.map(base.sessionInfoFromProto);
+  }
+
+  /**
+   * A new session from `session.export()`'s bytes (from this server or another serving the
+   * same model); its next turn reuses the imported cache. `settings` replace the exported
+   * session's own. The blob goes in order, in parts of at most 1 MiB, every part with the same
+   * routing key (so every part reaches the same replica). A blob that is corrupt or from
+   * another model rejects with `InvalidArgument` or `FailedPrecondition`.
+   */
+  async importSession(data: Uint8Array, settings?: Settings, options: CallOptions = {}): Promise<Session> {
+    const cleaned = settings === undefined ? undefined : base.cleanSettings(settings);
+    const key = base.newSessionKey();
+    let pb: pbs.Session | undefined;
+    for (const request of base.importRequests(this.name, key, data, cleaned)) {
+      pb = await this.#transport.unary(SessionServiceService.importSession, request, this.name, options, key);
+    }
+    // The call with the last part returns the session (there is always one part at least).
+    if (pb === undefined || !pb.id) throw new Error("ImportSession returned no session");
+    const state = new base.SessionState(pb.id, this.name, cleaned ?? {});
+    state.apply(pb, cleaned ?? {});
+    return new Session(this.#transport, state);
+  }
+
   /**
    * A handle on an existing session by its id (e.g. one created by another process, whose
    * id you stored); no call is made. `settings` are the ones to send with its requests.
@@ -421,6 +497,39 @@ export class Session {
     if (signal !== undefined) callOptions.signal = signal;
     if (timeoutMs !== undefined) callOptions.timeoutMs = timeoutMs;
     return this.#transport.generate(request, this.#state.model, callOptions);
+  }
+
+  /**
+   * Stream a new version of `history`'s last reply (`history` must end with an assistant
+   * message, which is dropped). The client owns the history: rewinding is sending a shorter or
+   * edited one, and the server reuses the cache up to the first token that differs (see
+   * `withMessageReplaced`).
+   */
+  regenerate(history: HistoryLike, options: GenerateOptions = {}): AsyncGenerator<Chunk, void, undefined> {
+    return this.generate(base.withoutLastReply(history), options);
+  }
+
+  /**
+   * A new session starting with this one's cache: all of it, or only up to `history` (a
+   * prefix of this session's conversation, e.g. its first k messages). Copied in the server's
+   * KV cache, not prefilled again: the fork's next turn reports those tokens as cached.
+   * `settings` default to this session's.
+   */
+  async fork(history?: HistoryLike, settings?: Settings, options: CallOptions = {}): Promise<Session> {
+    const chosen = base.cleanSettings(settings ?? this.#state.settings);
+    const request = base.forkRequest(this.id, history, chosen, base.newSessionKey());
+    const pb = await this.#call(SessionServiceService.forkSession, request, options);
+    const state = new base.SessionState(pb.id, this.#state.model, chosen);
+    state.apply(pb, chosen);
+    return new Session(this.#transport, state);
+  }
+
+  /**
+   * The session's cache (tokens, KV state, settings, the model's fingerprint) as one
+   * self-checking blob, for `model.importSession()` on any server of the same model.
+   */
+  async export(options: CallOptions = {}): Promise<Uint8Array> {
+    return this.#transport.exportBlob({ sessionId: this.id }, this.#state.model, options, base.routingKey(this.id));
   }
 
   /** Prefill `history` (e.g. a system prompt) into the cache without generating. */

@@ -35,6 +35,7 @@ export {
   Unavailable,
 } from "./errors";
 export { FinishReason, Role } from "./types";
+export { IMPORT_PART_BYTES, withMessageReplaced, withoutLastReply } from "./base";
 export type {
   Chunk,
   HistoryLike,

@@ -187,4 +187,6 @@ export interface SessionInfo {
   /** "new", "hot", "evicted" or "dropped". */
   readonly state: string;
   readonly servedBy?: ServedBy;
+  /** When the session last served a request (Unix seconds; 0 if never). */
+  readonly lastUsed: number;
 }

@@ -50,6 +50,13 @@ export class FakeServer {
   /** Generate calls the client cancelled so far. */
   cancellations = 0;
   readonly sessions = new Map<string, pbc.Settings>();
+  /** What ExportSession streams for a session (default: `exportBytes` bytes of a pattern). */
+  readonly blobs = new Map<string, Buffer>();
+  exportBytes = 2.5 * 1024 * 1024;
+  /** ExportSession stops this many bytes short of its total (a broken stream). */
+  exportShortBy = 0;
+  /** ImportSession parts received so far, per session key. */
+  private readonly imports = new Map<string, Buffer[]>();
   private nextId = 1;
   private server = new grpc.Server();
   address = "";
@@ -188,11 +195,86 @@ export class FakeServer {
         }
         callback(null, {});
       },
-      // Session operations (fork, list, export, import) are not faked: UNIMPLEMENTED.
-      forkSession: (_call, callback) => callback({ code: grpc.status.UNIMPLEMENTED, details: "not faked" }),
-      listSessions: (_call, callback) => callback({ code: grpc.status.UNIMPLEMENTED, details: "not faked" }),
-      exportSession: (call) => call.emit("error", { code: grpc.status.UNIMPLEMENTED, details: "not faked" }),
-      importSession: (_call, callback) => callback({ code: grpc.status.UNIMPLEMENTED, details: "not faked" }),
+      forkSession: (call, callback) => {
+        this.record("ForkSession", call);
+        if (this.failUnary(callback)) return;
+        const source = this.sessions.get(call.request.sessionId);
+        if (!source) {
+          callback({ code: grpc.status.NOT_FOUND, details: "session not found" });
+          return;
+        }
+        const given = Object.values(call.request.settings ?? {}).some((v) => v !== undefined && !Array.isArray(v));
+        const id = `f${this.nextId++}.signed`;
+        this.sessions.set(id, given ? { ...source, ...definedFields(call.request.settings) } : { ...source });
+        this.session(id, callback);
+      },
+      listSessions: (call, callback) => {
+        this.record("ListSessions", call);
+        if (this.failUnary(callback)) return;
+        const sessions = [...this.sessions].map(([id, settings], i) => ({
+          id,
+          model: call.request.model,
+          settings,
+          contextTokens: 7,
+          state: "hot",
+          servedBy: { replica: `r${i % 2}`, replicaRank: i % 2, cacheHit: true },
+          lastUsedUnix: 1_700_000_000 + i,
+        }));
+        callback(null, { sessions: sessions.reverse() });
+      },
+      exportSession: (call) => {
+        this.record("ExportSession", call);
+        const id = call.request.sessionId;
+        if (!this.sessions.has(id)) {
+          call.emit("error", { code: grpc.status.NOT_FOUND, details: "session not found" });
+          return;
+        }
+        const blob = this.blobs.get(id) ?? patternBlob(this.exportBytes);
+        const sent = blob.subarray(0, blob.length - this.exportShortBy);
+        const part = 1024 * 1024;
+        for (let at = 0; at < sent.length; at += part) {
+          call.write({ data: sent.subarray(at, at + part), totalBytes: BigInt(blob.length) });
+        }
+        call.end();
+      },
+      importSession: (call, callback) => {
+        this.record("ImportSession", call);
+        if (this.failUnary(callback)) return;
+        const { sessionKey, data, offset, totalBytes } = call.request;
+        const parts = offset === 0n ? [] : (this.imports.get(sessionKey) ?? []);
+        const have = parts.reduce((n, p) => n + p.length, 0);
+        if (BigInt(have) !== offset || data.length > 1024 * 1024) {
+          this.imports.delete(sessionKey);
+          const details = `import part at offset ${offset}, expected ${have}`;
+          callback({ code: grpc.status.INVALID_ARGUMENT, details });
+          return;
+        }
+        parts.push(Buffer.from(data));
+        if (BigInt(have + data.length) < totalBytes) {
+          this.imports.set(sessionKey, parts);
+          callback(null, {
+            id: "",
+            model: call.request.model,
+            settings: undefined,
+            contextTokens: 0,
+            state: "importing",
+            servedBy: undefined,
+            lastUsedUnix: 0,
+          });
+          return;
+        }
+        this.imports.delete(sessionKey);
+        const blob = Buffer.concat(parts);
+        if (blob.length > 0 && blob[0] !== 0x48) {
+          callback({ code: grpc.status.FAILED_PRECONDITION, details: "blob of another model" });
+          return;
+        }
+        const id = `${sessionKey}.signed`;
+        this.blobs.set(id, blob);
+        const settings = call.request.settings ? definedFields(call.request.settings) : { stop: [], temperature: 0.5 };
+        this.sessions.set(id, settings);
+        this.session(id, callback);
+      },
     };
     this.server.addService(ModelServiceService, models);
     this.server.addService(pbs.SessionServiceService, sessions);
@@ -238,6 +320,21 @@ export class FakeServer {
       }, 2000).unref();
     });
   }
+}
+
+/** A blob like an export: starts with "H" (the fake's "this model" mark), then a pattern. */
+export function patternBlob(size: number): Buffer {
+  const blob = Buffer.alloc(size);
+  for (let i = 0; i < size; i++) blob[i] = (i * 31 + 7) & 0xff;
+  if (size > 0) blob[0] = 0x48;
+  return blob;
+}
+
+function definedFields(settings: pbc.Settings | undefined): pbc.Settings {
+  return {
+    stop: [],
+    ...Object.fromEntries(Object.entries(settings ?? {}).filter(([, v]) => v !== undefined)),
+  } as pbc.Settings;
 }
 
 function chunk(text: string): pbs.GenerateChunk {

@@ -171,6 +171,66 @@ describe(`hotloop-serve on loopback (${MODEL})`, () => {
     await session.close();
   });
 
+  test("fork then diverge; list; export then import: same greedy text, cache reused", async () => {
+    const model = client.model(MODEL);
+    const settings: Settings = { temperature: 0, sampleLen: 12, repeatPenalty: 1 };
+    const fresh = async (history: Message[]): Promise<string> => {
+      const session = await model.newSession({ settings });
+      try {
+        return text(await collect(session.generate(history)));
+      } finally {
+        await session.close();
+      }
+    };
+    const base: Message[] = [
+      { role: "system", content: "You are a helpful assistant." },
+      { role: "user", content: "Tell me a fact about the sea." },
+      { role: "assistant", content: "The sea is salty." },
+    ];
+    const source = await model.newSession({ settings });
+    await collect(source.generate([...base, { role: "user", content: "One more?" }]));
+    const fork = await source.fork(base); // the cache up to the end of `base`
+    const kept = await fork.context();
+    assert.ok(kept > 0 && kept < (await source.context()), `kept ${kept}`);
+    assert.equal(fork.settings.sampleLen, 12);
+
+    const left: Message[] = [...base, { role: "user", content: "Now about rivers." }];
+    const right: Message[] = [...base, { role: "user", content: "Now about mountains." }];
+    const a = await collect(source.generate(left));
+    const b = await collect(fork.generate(right));
+    assert.equal(b.at(-1)?.usage?.cachedTokens, kept, "the fork's first turn reuses the copied cache");
+    assert.equal(text(a), await fresh(left));
+    assert.equal(text(b), await fresh(right));
+
+    const listed = new Map((await model.listSessions()).map((s) => [s.id, s]));
+    assert.ok(listed.has(source.id) && listed.has(fork.id), JSON.stringify([...listed.keys()]));
+    assert.ok((listed.get(fork.id)?.contextTokens ?? 0) > kept);
+    assert.ok((listed.get(fork.id)?.lastUsed ?? 0) > 0);
+
+    const blob = await fork.export();
+    assert.ok(blob.length > 1000);
+    const follow: Message[] = [
+      ...right,
+      { role: "assistant", content: text(b) },
+      { role: "user", content: "And then?" },
+    ];
+    const expected = await collect(fork.generate(follow));
+    const imported = await model.importSession(blob, settings);
+    assert.notEqual(imported.id, fork.id);
+    const got = await collect(imported.generate(follow));
+    const [gu, eu] = [got.at(-1)?.usage, expected.at(-1)?.usage];
+    assert.ok(gu && eu && eu.cachedTokens > 0);
+    assert.equal(gu.cachedTokens, eu.cachedTokens, "the imported cache is reused like the original");
+    assert.equal(text(got), text(expected));
+
+    const damaged = new Uint8Array(blob);
+    const at = Math.floor(blob.length / 3);
+    damaged[at] = (damaged[at] ?? 0) ^ 1;
+    await assert.rejects(model.importSession(damaged), InvalidArgument);
+    await assert.rejects(model.importSession(blob.subarray(0, blob.length - 10)), InvalidArgument);
+    for (const s of [source, fork, imported]) await s.close();
+  });
+
   test("errors: unknown session is NotFound, bad settings are InvalidArgument", async () => {
     const unknown = client.model(MODEL).session("no-such-session.id");
     await assert.rejects(collect(unknown.generate(HISTORY)), NotFound);

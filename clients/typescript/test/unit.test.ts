@@ -23,11 +23,15 @@ import {
   Status,
   TurnInterrupted,
   Unauthenticated,
+  IMPORT_PART_BYTES,
+  type MessageLike,
   Unavailable,
+  withMessageReplaced,
+  withoutLastReply,
 } from "../src";
 import * as base from "../src/base";
 import type * as pbs from "../src/gen/hotloop/v1/session";
-import { encodeApplicationNames, FakeServer } from "./fake-server";
+import { encodeApplicationNames, FakeServer, patternBlob } from "./fake-server";
 
 async function collect(stream: AsyncIterable<Chunk>): Promise<Chunk[]> {
   const out: Chunk[] = [];
@@ -392,5 +396,207 @@ describe("client against a scripted in-process server", () => {
     } finally {
       dead.close();
     }
+  });
+});
+
+describe("session operations (fork, list, export, import, regenerate) against the fake server", () => {
+  const fake = new FakeServer();
+  let client: Client;
+
+  before(async () => {
+    await fake.start();
+    client = new Client(fake.address, { token: "tok", retryDelayMs: 1 });
+  });
+  after(async () => {
+    client.close();
+    await fake.stop();
+  });
+  beforeEach(() => {
+    fake.calls.length = 0;
+    fake.unaryFailures = [];
+    fake.exportShortBy = 0;
+  });
+
+  test("withoutLastReply and withMessageReplaced rewind the history client-side", () => {
+    const history: MessageLike[] = [
+      ["system", "be brief"],
+      ["user", "hi"],
+      ["assistant", "hello"],
+      ["user", "more"],
+      ["assistant", "sure"],
+    ];
+    assert.deepEqual(withoutLastReply(history), [
+      { role: "system", content: "be brief" },
+      { role: "user", content: "hi" },
+      { role: "assistant", content: "hello" },
+      { role: "user", content: "more" },
+    ]);
+    assert.throws(() => withoutLastReply(history.slice(0, 2)), /does not end with an assistant reply/);
+    assert.throws(() => withoutLastReply([]), TypeError);
+    assert.deepEqual(withMessageReplaced(history, 1, "hey"), [
+      { role: "system", content: "be brief" },
+      { role: "user", content: "hey" },
+    ]);
+    assert.deepEqual(withMessageReplaced(history, -2, "less").at(-1), { role: "user", content: "less" });
+    assert.equal(withMessageReplaced(history, -2, "less").length, 4);
+    assert.throws(() => withMessageReplaced(history, 5, "x"), RangeError);
+    assert.throws(() => withMessageReplaced(history, -6, "x"), RangeError);
+    assert.throws(() => withMessageReplaced(history, 1.5, "x"), RangeError);
+  });
+
+  test("importRequests: ordered parts of at most 1 MiB, one key, offsets and total", () => {
+    const blob = patternBlob(IMPORT_PART_BYTES * 2 + 5);
+    const parts = base.importRequests("alpha", "k".repeat(22), blob, { temperature: 0 });
+    assert.deepEqual(
+      parts.map((p) => [p.data.length, p.offset, p.totalBytes]),
+      [
+        [IMPORT_PART_BYTES, 0n, BigInt(blob.length)],
+        [IMPORT_PART_BYTES, BigInt(IMPORT_PART_BYTES), BigInt(blob.length)],
+        [5, BigInt(2 * IMPORT_PART_BYTES), BigInt(blob.length)],
+      ],
+    );
+    assert.ok(parts.every((p) => p.sessionKey === "k".repeat(22) && p.model === "alpha"));
+    assert.ok(parts.every((p) => p.settings?.temperature === 0));
+    assert.deepEqual(Buffer.concat(parts.map((p) => p.data)), blob);
+    // An empty blob is still one (empty) part, so the server answers; no settings: absent.
+    const empty = base.importRequests("alpha", "k".repeat(22), new Uint8Array(), undefined);
+    assert.equal(empty.length, 1);
+    assert.equal(empty[0]?.settings, undefined);
+    assert.equal(empty[0]?.totalBytes, 0n);
+  });
+
+  test("fork runs on the source's replica, under a new key, with the source's settings by default", async () => {
+    const source = await client.model("alpha").newSession({ settings: { temperature: 0, sampleLen: 16 } });
+    const history: MessageLike[] = [
+      ["user", "hi"],
+      ["assistant", "hello"],
+    ];
+    const fork = await source.fork(history.slice(0, 1));
+    const call = fake.of("ForkSession")[0];
+    const request = call?.request as pbs.ForkSessionRequest;
+    assert.equal(request.sessionId, source.id);
+    assert.equal(call?.metadata["session_id"], base.routingKey(source.id), "routed to the source's replica");
+    assert.equal(call?.metadata["application"], "alpha");
+    assert.match(request.sessionKey, base.SESSION_KEY_PATTERN);
+    assert.notEqual(request.sessionKey, base.routingKey(source.id));
+    assert.deepEqual(
+      request.messages.map((m) => m.content),
+      ["hi"],
+    );
+    assert.equal(request.settings?.sampleLen, 16);
+    assert.notEqual(fork.id, source.id);
+    assert.equal(fork.settings.sampleLen, 16);
+    assert.equal(fork.model, "alpha");
+
+    // The fork is a session of its own: its turns carry its id and routing key.
+    await collect(fork.generate([["user", "hi"]]));
+    const gen = fake.of("Generate")[0];
+    assert.equal((gen?.request as pbs.GenerateRequest).sessionId, fork.id);
+    assert.equal(gen?.metadata["session_id"], base.routingKey(fork.id));
+
+    // Whole cache (no history: no messages) and other settings.
+    const other = await source.fork(undefined, { temperature: 0.5 });
+    const second = fake.of("ForkSession")[1]?.request as pbs.ForkSessionRequest;
+    assert.deepEqual(second.messages, []);
+    assert.equal(second.settings?.temperature, 0.5);
+    assert.equal(second.settings?.sampleLen, undefined);
+    assert.equal(other.settings.temperature, 0.5);
+
+    await assert.rejects(client.model("alpha").session("gone.x").fork(), NotFound);
+    fake.unaryFailures = [{ code: Status.UNAVAILABLE, details: "replica restarting" }];
+    assert.ok((await source.fork()).id, "a failover is retried");
+  });
+
+  test("listSessions: every session of the model, with state, tokens and last use", async () => {
+    const a = await client.model("alpha").newSession();
+    const sessions = await client.model("alpha").listSessions();
+    const call = fake.of("ListSessions")[0];
+    assert.equal((call?.request as pbs.ListSessionsRequest).model, "alpha");
+    assert.equal(call?.metadata["application"], "alpha");
+    assert.equal(call?.metadata["session_id"], undefined);
+    const mine = sessions.find((s) => s.id === a.id);
+    assert.ok(mine, JSON.stringify(sessions));
+    assert.equal(mine.state, "hot");
+    assert.equal(mine.contextTokens, 7);
+    assert.ok(mine.lastUsed > 1_700_000_000);
+    assert.ok(mine.servedBy);
+    assert.deepEqual(
+      sessions.map((s) => s.lastUsed),
+      [...sessions.map((s) => s.lastUsed)].sort((x, y) => y - x),
+    );
+  });
+
+  test("export collects the stream; importSession sends it back in ordered 1 MiB parts, one key", async () => {
+    const session = await client.model("alpha").newSession({ settings: { temperature: 0 } });
+    const blob = await session.export();
+    assert.ok(blob instanceof Uint8Array);
+    assert.equal(blob.length, fake.exportBytes);
+    assert.deepEqual(Buffer.from(blob), patternBlob(fake.exportBytes));
+    const exp = fake.of("ExportSession")[0];
+    assert.equal((exp?.request as pbs.ExportSessionRequest).sessionId, session.id);
+    assert.equal(exp?.metadata["session_id"], base.routingKey(session.id));
+
+    const imported = await client.model("alpha").importSession(blob, { temperature: 0, sampleLen: 8 });
+    const parts = fake.of("ImportSession");
+    assert.equal(parts.length, 3);
+    const requests = parts.map((p) => p.request as pbs.ImportSessionRequest);
+    const key = requests[0]?.sessionKey ?? "";
+    assert.match(key, base.SESSION_KEY_PATTERN);
+    assert.deepEqual(
+      parts.map((p) => p.metadata["session_id"]),
+      [key, key, key],
+      "every part to the same replica",
+    );
+    assert.ok(requests.every((r) => r.sessionKey === key && r.model === "alpha" && r.data.length <= IMPORT_PART_BYTES));
+    assert.deepEqual(
+      requests.map((r) => r.offset),
+      [0n, BigInt(IMPORT_PART_BYTES), BigInt(2 * IMPORT_PART_BYTES)],
+    );
+    assert.equal(imported.id, `${key}.signed`);
+    assert.deepEqual(fake.blobs.get(imported.id), Buffer.from(blob));
+    assert.equal(imported.settings.sampleLen, 8);
+    await collect(imported.generate([["user", "hi"]]));
+    assert.equal(fake.of("Generate")[0]?.metadata["session_id"], key);
+
+    // Without settings: the exported session's (the server's answer) are adopted.
+    const plain = await client.model("alpha").importSession(blob);
+    assert.equal((fake.of("ImportSession").at(-1)?.request as pbs.ImportSessionRequest).settings, undefined);
+    assert.equal(plain.settings.temperature, 0.5);
+  });
+
+  test("export and import errors are typed", async () => {
+    const session = await client.model("alpha").newSession();
+    await assert.rejects(client.model("alpha").session("gone.x").export(), NotFound);
+    fake.exportShortBy = 10;
+    await assert.rejects(session.export(), (err: unknown) => {
+      assert.ok(err instanceof InternalError, String(err));
+      assert.equal(err.code, Status.DATA_LOSS);
+      return true;
+    });
+    await assert.rejects(
+      client.model("alpha").importSession(Buffer.from("not an export")),
+      FailedPrecondition,
+    );
+    fake.unaryFailures = [{ code: Status.INVALID_ARGUMENT, details: "damaged blob" }];
+    await assert.rejects(client.model("alpha").importSession(patternBlob(10)), InvalidArgument);
+    const controller = new AbortController();
+    controller.abort();
+    await assert.rejects(session.export({ signal: controller.signal }), Cancelled);
+  });
+
+  test("regenerate sends the history without its last reply", async () => {
+    const session = await client.model("alpha").newSession();
+    await collect(
+      session.regenerate([
+        ["user", "hi"],
+        ["assistant", "hello"],
+      ]),
+    );
+    const request = fake.of("Generate")[0]?.request as pbs.GenerateRequest;
+    assert.deepEqual(
+      request.messages.map((m) => m.content),
+      ["hi"],
+    );
+    assert.throws(() => session.regenerate([["user", "hi"]]), /does not end with an assistant reply/);
   });
 });
