@@ -14,7 +14,9 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import os
 import sys
+import time
 import typing
 from collections.abc import Callable
 from pathlib import Path
@@ -26,11 +28,14 @@ from hotloop_client import (
     Client,
     HotloopError,
     Message,
+    Model,
+    NotFound,
     Role,
     Session,
     Settings,
     TurnInterrupted,
     Usage,
+    with_message_replaced,
 )
 from rich.console import Console
 from rich.table import Table
@@ -43,6 +48,15 @@ HELP = """\
 /settings              show the session's settings
 /clear                 clear the history and the server's cache
 /context               tokens held in the session's KV cache
+/history               the conversation, numbered (for /edit and /fork)
+/regenerate            regenerate the last reply (the cache up to it is reused)
+/edit <k> <text>       replace message k (see /history) and regenerate from there
+/fork [k]              continue in a fork of this session (its cache copied on the server,
+                       up to message k); the old one stays open: /switch
+/switch [n]            list the chat's sessions, or continue in session n
+/sessions              your sessions of this model on the server
+/export <file>         save this session (its KV cache and the conversation) to a file
+/import <file>         continue in a new session from an exported file (same model)
 /help                  this text
 /quit                  leave (also Ctrl-D; Ctrl-C cancels a reply)"""
 
@@ -127,17 +141,111 @@ def stats_line(usage: Usage | None, chunk: Chunk | None) -> str:
     return " · ".join(parts)
 
 
+# --------------------------------------------------------------------------- /export files
+
+EXPORT_MAGIC = b"HOTLOOP-CHAT 1\n"
+"""First line of a file written by ``/export``: then one JSON line (model, system prompt,
+history), then the session's exported blob (``Session.export()``) as is."""
+
+
+def write_export(path: Path, model: str, system: str | None, history: list[Message], blob: bytes) -> None:
+    """Write ``/export``'s file atomically (a temporary file renamed over ``path``)."""
+    header = {"model": model, "system": system, "history": [[m.role.value, m.content] for m in history]}
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with tmp.open("wb") as f:
+            f.write(EXPORT_MAGIC)
+            f.write(json.dumps(header, ensure_ascii=False).encode() + b"\n")
+            f.write(blob)
+        tmp.replace(path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def read_export(data: bytes) -> tuple[str | None, list[Message], bytes]:
+    """``/export``'s file as (system prompt, history, blob); any other bytes are taken as a
+    bare ``Session.export()`` blob with no conversation. Raises ``ValueError`` if damaged."""
+    if not data.startswith(EXPORT_MAGIC):
+        return None, [], data
+    line, sep, blob = data[len(EXPORT_MAGIC) :].partition(b"\n")
+    try:
+        if not sep:
+            raise ValueError("no header line")
+        header = json.loads(line)
+        system = header.get("system")
+        history = [Message(Role(role), content) for role, content in header["history"]]
+        if system is not None and not isinstance(system, str):
+            raise ValueError("system must be a string")
+        if not all(isinstance(m.content, str) for m in history):
+            raise ValueError("message contents must be strings")
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise ValueError(f"not a readable /export file: {exc}") from exc
+    return system, history, blob
+
+
+def _ago(unix: float) -> str:
+    if unix <= 0:
+        return "never"
+    seconds = max(0.0, time.time() - unix)
+    if seconds < 120:
+        return f"{seconds:.0f} s ago"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f} min ago"
+    return f"{seconds / 3600:.1f} h ago"
+
+
 # --------------------------------------------------------------------------- the chat loop
 
 
-class Chat:
-    """One conversation: the history, the session that keeps it hot, and the commands."""
+@dataclasses.dataclass
+class Branch:
+    """One conversation of the chat: its session (the server's cache), system prompt and history."""
 
-    def __init__(self, session: Session, console: Console, system: str | None = None) -> None:
-        self.session = session
+    session: Session
+    system: str | None
+    history: list[Message]
+
+
+class Chat:
+    """The chat's conversations (one at first; /fork and /import add more), the current one's
+    history and session, and the commands."""
+
+    def __init__(
+        self, session: Session, console: Console, system: str | None = None, model: Model | None = None
+    ) -> None:
         self.console = console
-        self.system = system
-        self.history: list[Message] = []
+        self.model = model
+        self.branches = [Branch(session, system, [])]
+        self.current = 0
+
+    # The current branch's parts, under the names the chat always used.
+    @property
+    def session(self) -> Session:
+        return self.branches[self.current].session
+
+    @session.setter
+    def session(self, value: Session) -> None:
+        self.branches[self.current].session = value
+
+    @property
+    def system(self) -> str | None:
+        return self.branches[self.current].system
+
+    @system.setter
+    def system(self, value: str | None) -> None:
+        self.branches[self.current].system = value
+
+    @property
+    def history(self) -> list[Message]:
+        return self.branches[self.current].history
+
+    @history.setter
+    def history(self, value: list[Message]) -> None:
+        self.branches[self.current].history = value
+
+    def sessions(self) -> list[Session]:
+        """Every session the chat opened (to close them when it ends)."""
+        return [b.session for b in self.branches]
 
     # -- conversation -----------------------------------------------------------------
 
@@ -154,28 +262,35 @@ class Chat:
 
     def turn(self, text: str) -> None:
         """Send one user message and stream the reply; the history grows only on success."""
-        messages = [*self.prompt_messages(), Message(Role.USER, text)]
+        self.reply_to([*self.history, Message(Role.USER, text)])
+
+    def reply_to(self, history: list[Message]) -> bool:
+        """Stream the reply to ``history`` (which ends with a user message); on success it,
+        plus the reply, becomes the conversation. Rewinding (/regenerate, /edit) is this with a
+        shorter or edited history: the server reuses its cache up to the first difference."""
+        system = [Message(Role.SYSTEM, self.system)] if self.system else []
         for attempt in (1, 2):
             try:
-                reply, last = self._stream(messages)
+                reply, last = self._stream([*system, *history])
             except KeyboardInterrupt:
                 self.console.print("\n[cancelled]", style="dim", markup=False)
-                return
+                return False
             except TurnInterrupted as exc:
                 if attempt == 2:
                     self.show_error(exc, mid_line=True)
-                    return
+                    return False
                 # The session is a cache: the same history rebuilds it on a live replica.
                 self.console.print("\n[replica lost mid-reply; retrying the turn]", style="yellow", markup=False)
                 continue
             except HotloopError as exc:
                 self.show_error(exc, mid_line=True)
-                return
-            self.history += [Message(Role.USER, text), Message(Role.ASSISTANT, reply)]
+                return False
+            self.history = [*history, Message(Role.ASSISTANT, reply)]
             line = stats_line(last.usage if last else None, last)
             if line:
                 self.console.print(line, style="dim", markup=False, highlight=False)
-            return
+            return True
+        return False  # unreachable: the second attempt returns
 
     def _stream(self, messages: list[Message]) -> tuple[str, Chunk | None]:
         parts: list[str] = []
@@ -220,6 +335,22 @@ class Chat:
                 self.warm_system()
             elif name == "context":
                 self.console.print(f"{self.session.context()} tokens in the session's cache")
+            elif name == "history":
+                self._cmd_history()
+            elif name == "regenerate":
+                self._cmd_regenerate()
+            elif name == "edit":
+                self._cmd_edit(arg)
+            elif name == "fork":
+                self._cmd_fork(arg)
+            elif name == "switch":
+                self._cmd_switch(arg)
+            elif name == "sessions":
+                self._cmd_sessions()
+            elif name == "export":
+                self._cmd_export(arg)
+            elif name == "import":
+                self._cmd_import(arg)
             else:
                 self.console.print(f"unknown command /{name}; /help lists them", style="yellow", markup=False)
         except HotloopError as exc:
@@ -255,6 +386,150 @@ class Chat:
             value = getattr(self.session.settings, field.name)
             table.add_row(field.name, "(server default)" if value is None else repr(value))
         self.console.print(table)
+
+    def _usage(self, text: str) -> None:
+        self.console.print(f"usage: {text}", style="yellow", markup=False)
+
+    def _message_number(self, arg: str) -> int | None:
+        """``arg`` as a message number of /history (1-based), or None after telling the user."""
+        try:
+            k = int(arg)
+        except ValueError:
+            k = 0
+        if not 1 <= k <= len(self.history):
+            self.console.print(
+                f"no message {arg!r}: /history numbers them 1 to {len(self.history)}", style="yellow", markup=False
+            )
+            return None
+        return k
+
+    def _cmd_history(self) -> None:
+        if self.system:
+            self.console.print(f"   system: {self.system}", markup=False, highlight=False)
+        if not self.history:
+            self.console.print("(no messages yet)", style="dim")
+        for k, message in enumerate(self.history, 1):
+            self.console.print(f"{k:>3} {message.role.value}: {message.content}", markup=False, highlight=False)
+
+    def _cmd_regenerate(self) -> None:
+        if not self.history or self.history[-1].role != Role.ASSISTANT:
+            self.console.print("no reply to regenerate yet", style="yellow")
+            return
+        self.reply_to(self.history[:-1])
+
+    def _cmd_edit(self, arg: str) -> None:
+        number, _, text = arg.partition(" ")
+        text = text.strip()
+        if not number or not text:
+            self._usage("/edit <k> <text>   (k: a message number of /history)")
+            return
+        k = self._message_number(number)
+        if k is None:
+            return
+        edited = with_message_replaced(self.history, k - 1, text)
+        if edited[-1].role == Role.ASSISTANT:
+            # An edited reply is taken as written; the next turn continues from it.
+            self.history = edited
+            self.console.print(f"reply {k} replaced; the messages after it are dropped", style="dim", markup=False)
+            return
+        self.reply_to(edited)
+
+    def _switch_to(self, branch: Branch, what: str) -> None:
+        self.branches.append(branch)
+        self.current = len(self.branches) - 1
+        self.console.print(
+            f"{what}: now in session {self.current + 1} ({branch.session.id}); /switch lists them",
+            style="dim",
+            markup=False,
+        )
+
+    def _cmd_fork(self, arg: str) -> None:
+        history = list(self.history)
+        if arg:
+            k = self._message_number(arg)
+            if k is None:
+                return
+            history = history[:k]
+        keep = [*([Message(Role.SYSTEM, self.system)] if self.system else []), *history]
+        try:
+            # The server copies the cache (up to ``keep``) in KV memory: no prefill again.
+            forked = self.session.fork(keep if arg else None)
+        except NotFound:
+            if self.model is None:
+                raise
+            # Nothing cached to copy (never used, or expired): a new session with the same
+            # settings; the fork's next turn prefills its history.
+            forked = self.model.new_session(settings=self.session.settings)
+        self._switch_to(Branch(forked, self.system, history), f"forked session {self.current + 1}")
+
+    def _cmd_switch(self, arg: str) -> None:
+        if not arg:
+            for n, branch in enumerate(self.branches, 1):
+                mark = "*" if n == self.current + 1 else " "
+                self.console.print(
+                    f"{mark} {n}  {branch.session.id}  {len(branch.history)} messages", markup=False, highlight=False
+                )
+            return
+        try:
+            n = int(arg)
+        except ValueError:
+            n = 0
+        if not 1 <= n <= len(self.branches):
+            self.console.print(
+                f"no session {arg!r}: /switch lists 1 to {len(self.branches)}", style="yellow", markup=False
+            )
+            return
+        self.current = n - 1
+        self.console.print(
+            f"now in session {n} ({self.session.id}, {len(self.history)} messages)", style="dim", markup=False
+        )
+
+    def _cmd_sessions(self) -> None:
+        if self.model is None:
+            self.console.print("/sessions needs the model (not available here)", style="yellow")
+            return
+        mine = {b.session.id: n for n, b in enumerate(self.branches, 1)}
+        table = Table(box=None, pad_edge=False)
+        for column in ("", "id", "state", "tokens", "last used", "replica"):
+            table.add_column(column)
+        for info in self.model.list_sessions():
+            n = mine.get(info.id)
+            mark = "" if n is None else ("*" if n == self.current + 1 else str(n))
+            replica = info.served_by.replica if info.served_by else ""
+            table.add_row(mark, info.id, info.state, str(info.context_tokens), _ago(info.last_used), replica)
+        self.console.print(table)
+
+    def _cmd_export(self, arg: str) -> None:
+        if not arg:
+            self._usage("/export <file>")
+            return
+        blob = self.session.export()
+        path = Path(arg).expanduser()
+        try:
+            write_export(path, self.session.model, self.system, self.history, blob)
+        except OSError as exc:
+            self.console.print(f"cannot write {path}: {exc}", style="bold red", markup=False)
+            return
+        self.console.print(
+            f"exported {len(self.history)} messages and {len(blob)} bytes of cache to {path}", style="dim", markup=False
+        )
+
+    def _cmd_import(self, arg: str) -> None:
+        if not arg:
+            self._usage("/import <file>")
+            return
+        if self.model is None:
+            self.console.print("/import needs the model (not available here)", style="yellow")
+            return
+        path = Path(arg).expanduser()
+        try:
+            system, history, blob = read_export(path.read_bytes())
+        except (OSError, ValueError) as exc:
+            self.console.print(f"cannot read {path}: {exc}", style="bold red", markup=False)
+            return
+        imported = self.model.import_session(blob)  # with the exported session's settings
+        tokens = imported.context()
+        self._switch_to(Branch(imported, system, history), f"imported {len(history)} messages, {tokens} tokens cached")
 
     # -- main loop --------------------------------------------------------------------
 
@@ -321,7 +596,7 @@ def run_chat(
         except HotloopError as exc:
             console.print(f"cannot start a chat at {address}: {exc}", style="bold red", markup=False)
             return 1
-        chat = Chat(session, console, system)
+        chat = Chat(session, console, system, model=client.model(model))
         try:
             console.print(f"chatting with {model} at {address}; /help for commands", style="dim", markup=False)
             try:
@@ -330,8 +605,9 @@ def run_chat(
                 chat.show_error(exc)
             chat.run(read_line)
         finally:
-            with contextlib.suppress(HotloopError):  # leaving anyway; the server expires it
-                session.close(timeout=5)
+            for opened in chat.sessions():
+                with contextlib.suppress(HotloopError):  # leaving anyway; the server expires it
+                    opened.close(timeout=5)
     return 0
 
 

@@ -11,8 +11,10 @@ import dataclasses
 import io
 import re
 import threading
+import time
 from collections.abc import Iterator
 from concurrent import futures
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -33,6 +35,8 @@ class EchoServer(session_pb2_grpc.SessionServiceServicer, model_pb2_grpc.ModelSe
         self.models = [MODEL]
         self.cancelled = threading.Event()
         self.settings = common_pb2.Settings()
+        self.forks = 0
+        self.fork_fails = False
 
     def of(self, method: str) -> list[Any]:
         return [r for m, r in self.requests if m == method]
@@ -85,6 +89,44 @@ class EchoServer(session_pb2_grpc.SessionServiceServicer, model_pb2_grpc.ModelSe
     def CloseSession(self, request: Any, context: grpc.ServicerContext) -> Any:
         self.requests.append(("CloseSession", request))
         return session_pb2.CloseSessionResponse()
+
+    def ForkSession(self, request: Any, context: grpc.ServicerContext) -> Any:
+        self.requests.append(("ForkSession", request))
+        if self.fork_fails:
+            context.abort(grpc.StatusCode.NOT_FOUND, "session has no cache on this server (it was never used)")
+        self.forks += 1
+        return session_pb2.Session(id=f"fork-{self.forks}", model=MODEL, settings=request.settings)
+
+    def ListSessions(self, request: Any, context: grpc.ServicerContext) -> Any:
+        self.requests.append(("ListSessions", request))
+        return session_pb2.ListSessionsResponse(
+            sessions=[
+                session_pb2.Session(
+                    id="s-1",
+                    state="hot",
+                    context_tokens=42,
+                    last_used_unix=time.time() - 30,
+                    served_by=common_pb2.ServedBy(replica="r0"),
+                ),
+                session_pb2.Session(id="elsewhere-9", state="evicted", context_tokens=7),
+            ]
+        )
+
+    @staticmethod
+    def blob(session_id: str) -> bytes:
+        return b"BLOB:" + session_id.encode() + bytes(range(256)) * 8
+
+    def ExportSession(self, request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
+        self.requests.append(("ExportSession", request))
+        blob = self.blob(request.session_id)
+        yield session_pb2.ExportSessionChunk(data=blob[:1000], total_bytes=len(blob))
+        yield session_pb2.ExportSessionChunk(data=blob[1000:], total_bytes=len(blob))
+
+    def ImportSession(self, request: Any, context: grpc.ServicerContext) -> Any:
+        self.requests.append(("ImportSession", request))
+        if not request.data.startswith(b"BLOB:"):
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "not an exported session (damaged?)")
+        return session_pb2.Session(id="imported-1", model=MODEL, settings=request.settings)
 
 
 @pytest.fixture
@@ -249,3 +291,151 @@ def test_set_parses_every_settings_field_by_its_type() -> None:
     assert chat_cli.parse_setting("seed", "random") == ("seed", None)
     with pytest.raises(ValueError, match="unknown setting"):
         chat_cli.parse_setting("nope", "1")
+
+
+def sent(server: EchoServer, method: str = "Generate") -> list[tuple[str, list[str]]]:
+    """(session id, message contents) of each recorded request of ``method``."""
+    return [(r.session_id, [m.content for m in r.messages]) for r in server.of(method)]
+
+
+def test_regenerate_and_edit_rewind_the_history(echo: tuple[str, EchoServer]) -> None:
+    address, server = echo
+    code, out = run(
+        address,
+        "/regenerate",
+        "one",
+        "two",
+        "/regenerate",
+        "/history",
+        "/edit 1 uno",
+        "/edit 2 my own reply",
+        "three",
+        "/edit 9 nine",
+        "/edit two x",
+        "/edit",
+        "/history",
+        system="sys",
+    )
+    assert code == 0
+    assert "no reply to regenerate yet" in out
+    # The client owns the history: a rewind is a shorter or edited history, sent whole.
+    assert sent(server) == [
+        ("s-1", ["sys", "one"]),
+        ("s-1", ["sys", "one", "echo: one", "two"]),
+        ("s-1", ["sys", "one", "echo: one", "two"]),  # /regenerate: the last reply dropped
+        ("s-1", ["sys", "uno"]),  # /edit 1: message 1 replaced, what followed dropped
+        ("s-1", ["sys", "uno", "my own reply", "three"]),  # /edit 2 (a reply): taken as written
+    ]
+    assert "  3 user: two" in out and "  4 assistant: echo: two" in out and "   system: sys" in out
+    assert "reply 2 replaced" in out
+    assert "no message '9': /history numbers them 1 to 4" in out
+    assert "no message 'two'" in out and "usage: /edit <k> <text>" in out
+    assert out.rstrip().endswith("4 assistant: echo: three")
+
+
+def test_fork_switch_and_sessions(echo: tuple[str, EchoServer]) -> None:
+    address, server = echo
+    code, out = run(
+        address,
+        "hi",
+        "/fork",
+        "left",
+        "/switch",
+        "/switch 1",
+        "right",
+        "/fork 1",
+        "again",
+        "/sessions",
+        "/switch 7",
+        model=MODEL,
+        settings=Settings(seed=3),
+    )
+    assert code == 0
+    forks = server.of("ForkSession")
+    assert [f.session_id for f in forks] == ["s-1", "s-1"]
+    assert [m.content for m in forks[0].messages] == []  # the whole cache
+    assert [m.content for m in forks[1].messages] == ["hi"]  # up to message 1
+    assert all(f.settings.seed == 3 for f in forks)
+    assert sent(server) == [
+        ("s-1", ["hi"]),
+        ("fork-1", ["hi", "echo: hi", "left"]),
+        ("s-1", ["hi", "echo: hi", "right"]),  # the old session is still there
+        ("fork-2", ["hi", "again"]),
+    ]
+    assert "forked session 1: now in session 2 (fork-1)" in out
+    assert re.search(r"^\* 2  fork-1  4 messages", out, flags=re.MULTILINE)
+    assert re.search(r"^  1  s-1  2 messages", out, flags=re.MULTILINE)
+    assert "now in session 1 (s-1, 2 messages)" in out
+    assert "forked session 1: now in session 3 (fork-2)" in out
+    # /sessions: the server's list, the chat's own sessions marked.
+    assert len(server.of("ListSessions")) == 1 and server.of("ListSessions")[0].model == MODEL
+    assert re.search(r"^1\s+s-1\s+hot\s+42\s+3\d s ago\s+r0", out, flags=re.MULTILINE), out
+    assert re.search(r"^\s+elsewhere-9\s+evicted\s+7\s+never", out, flags=re.MULTILINE), out
+    assert "no session '7': /switch lists 1 to 3" in out
+    # Leaving closes every session the chat opened.
+    assert sorted(r.session_id for r in server.of("CloseSession")) == ["fork-1", "fork-2", "s-1"]
+
+
+def test_fork_without_a_cache_opens_a_new_session(echo: tuple[str, EchoServer]) -> None:
+    address, server = echo
+    server.fork_fails = True
+    code, out = run(address, "hi", "/fork", "more", model=MODEL)
+    assert code == 0
+    assert len(server.of("ForkSession")) == 1 and len(server.of("CreateSession")) == 2
+    assert "now in session 2" in out
+    # The new session gets the branch's whole history (it prefills it).
+    assert sent(server)[-1] == ("s-1", ["hi", "echo: hi", "more"])
+
+
+def test_export_then_import(echo: tuple[str, EchoServer], tmp_path: Path) -> None:
+    address, server = echo
+    path = tmp_path / "chat.hotloop"
+    (tmp_path / "bad").write_bytes(chat_cli.EXPORT_MAGIC + b"{not json\n")
+    (tmp_path / "raw").write_bytes(server.blob("raw"))
+    (tmp_path / "foreign").write_bytes(b"something else")
+    code, out = run(
+        address,
+        "hi",
+        f"/export {path}",
+        f"/import {path}",
+        "more",
+        "/export",
+        f"/import {tmp_path / 'missing'}",
+        f"/import {tmp_path / 'bad'}",
+        f"/import {tmp_path / 'foreign'}",
+        f"/import {tmp_path / 'raw'}",
+        f"/export {tmp_path / 'no-such-dir' / 'x'}",
+        model=MODEL,
+        system="sys",
+    )
+    assert code == 0
+    blob = server.blob("s-1")
+    system, history, data = chat_cli.read_export(path.read_bytes())
+    assert (system, [(m.role.value, m.content) for m in history], data) == (
+        "sys",
+        [("user", "hi"), ("assistant", "echo: hi")],
+        blob,
+    )
+    assert not list(tmp_path.glob(".*.tmp")), "no temporary file left behind"
+    assert f"exported 2 messages and {len(blob)} bytes of cache to {path}" in out
+    imports = server.of("ImportSession")
+    assert imports[0].data == blob and imports[0].model == MODEL and imports[0].offset == 0
+    assert "imported 2 messages, 321 tokens cached: now in session 2 (imported-1)" in out
+    # The imported session continues the exported conversation (the cache covers it).
+    assert sent(server)[-1] == ("imported-1", ["sys", "hi", "echo: hi", "more"])
+    assert "usage: /export <file>" in out
+    assert "cannot read" in out and "missing" in out
+    assert "not a readable /export file" in out
+    assert "INVALID_ARGUMENT: not an exported session" in out
+    # A bare SDK export (no conversation) imports too: a session with an empty history.
+    assert "imported 0 messages" in out
+    assert "cannot write" in out
+    assert len(imports) == 3
+
+
+def test_read_export_of_other_bytes_is_a_bare_blob() -> None:
+    assert chat_cli.read_export(b"\x00\x01") == (None, [], b"\x00\x01")
+    with pytest.raises(ValueError, match="not a readable"):
+        chat_cli.read_export(chat_cli.EXPORT_MAGIC + b'{"system": null, "history": [["robot", "x"]]}\n')
+    with pytest.raises(ValueError, match="not a readable"):
+        chat_cli.read_export(chat_cli.EXPORT_MAGIC + b"no newline")
