@@ -97,11 +97,11 @@ def test_auth_is_required_and_checked(guard: str) -> None:
 
 
 def test_another_principal_cannot_touch_a_session(guard: str) -> None:
-    with client(guard, "alice") as alice, client(guard, "bob") as bob:
+    with client(guard, "alice") as alice, grpc.insecure_channel(guard) as bob_channel:
         mine = alice.model(APP).new_session(settings=GREEDY)
         list(mine.generate(HELLO))
         md = [("application", APP), ("authorization", f"Bearer {TOKENS['bob']}")]
-        stub = session_pb2_grpc.SessionServiceStub(bob._channel)
+        stub = session_pb2_grpc.SessionServiceStub(bob_channel)
         msgs = [common_pb2.Message(role=common_pb2.ROLE_USER, content="hi")]
         calls = [
             lambda: stub.GetSession(session_pb2.GetSessionRequest(session_id=mine.id), metadata=md),
