@@ -39,9 +39,10 @@ PROVIDER = "hotloop"
 """No well-known provider value fits a self-hosted llama.cpp server; the conventions allow a custom
 one, and it tells a backend that ``hotloop.*`` attributes come with these spans."""
 
-OPERATIONS = {"Generate": "chat", "Warmup": "warmup"}
+OPERATIONS = {"Generate": "chat", "Warmup": "warmup", "ChatCompletions": "chat"}
 """gRPC method -> gen_ai.operation.name. Generate is a chat completion; Warmup (prefill a prompt
-into a session's cache, no output) has no well-known value, so it gets a custom one."""
+into a session's cache, no output) has no well-known value, so it gets a custom one.
+ChatCompletions is the OpenAI-compatible HTTP API's turn (``serve/openai_http.py``)."""
 
 FINISH_REASON_MAP = {"eos": "stop", "stop": "stop", "length": "length", "context": "length"}
 """Engine finish reason -> the usual GenAI value (``hotloop.finish_reason`` keeps the engine's)."""
