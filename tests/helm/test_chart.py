@@ -684,6 +684,86 @@ def test_image_volume_source(tmp_path: Path) -> None:
     assert mount["subPath"] == "gguf"
 
 
+def _replica_pods(rs: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    return [(n, t["spec"]) for n, g, t in pod_templates(rs) if runs_replicas(n, g)]
+
+
+@needs_helm
+def test_session_persistence_on_a_claim_the_chart_creates() -> None:
+    case = "sessions-values.yaml"
+    docs = render(case)
+    (pvc,) = docs_of(docs, "PersistentVolumeClaim")
+    assert pvc["metadata"]["name"] == f"{RELEASE}-hotloop-serve-sessions"
+    assert pvc["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
+    assert pvc["spec"] == {
+        "accessModes": ["ReadWriteMany"],
+        "storageClassName": "standard-rwx",
+        "resources": {"requests": {"storage": "24Gi"}},
+    }
+    rs = rayservice(case)
+    pods = _replica_pods(rs)
+    assert pods
+    for name, spec in pods:
+        (volume,) = [v for v in spec["volumes"] if v["name"] == "hotloop-sessions"]
+        assert volume["persistentVolumeClaim"] == {"claimName": pvc["metadata"]["name"]}, name
+        (mount,) = [m for m in spec["containers"][0]["volumeMounts"] if m["name"] == "hotloop-sessions"]
+        assert mount == {"name": "hotloop-sessions", "mountPath": "/var/lib/hotloop/sessions"}, name
+    head = rs["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]["spec"]
+    assert "hotloop-sessions" not in {v["name"] for v in head.get("volumes", [])}, "the head runs no replicas"
+    # Each model's disk tier: its own directory on the claim (a relative persist_dir under it).
+    config = config_from_dict(serve_config(case)["applications"][0]["args"]["config"])
+    assert {m.name: m.engine.persist_dir for m in config.models} == {
+        "gemma-3-270m": "/var/lib/hotloop/sessions/gemma-3-270m",
+        "gemma-small": "/var/lib/hotloop/sessions/small",
+    }
+    assert [m.engine.persist_bytes for m in config.models] == [16 * 2**30, 4 * 2**30]
+
+
+@needs_helm
+def test_session_persistence_on_an_existing_claim(tmp_path: Path) -> None:
+    values = {
+        "sessionPersistence": {
+            "enabled": True,
+            "existingClaim": "kv-sessions",
+            "subPath": "hotloop",
+            "mountPath": "/s/",
+        },
+        "hotloop": {
+            "models": [
+                {**BASE_MODEL, "name": "a"},
+                {**BASE_MODEL, "name": "b", "engine": {"persist_dir": "/elsewhere/b"}},
+            ]
+        },
+        "head": {"runReplicas": True, "resources": {"requests": {"cpu": "4", "memory": "8Gi"}}},
+    }
+    result = render_values(values, tmp_path)
+    assert result.returncode == 0, result.stderr
+    docs = tuple(d for d in yaml.safe_load_all(result.stdout) if d)
+    assert not docs_of(docs, "PersistentVolumeClaim"), "an existing claim is used, not created"
+    (rs,) = docs_of(docs, "RayService")
+    assert not errors_of(rayservice_validator(), rs)
+    pods = _replica_pods(rs)
+    assert {n for n, _ in pods} == {"head", "cpu"}
+    for name, spec in pods:
+        (volume,) = [v for v in spec["volumes"] if v["name"] == "hotloop-sessions"]
+        assert volume["persistentVolumeClaim"]["claimName"] == "kv-sessions", name
+        (mount,) = [m for m in spec["containers"][0]["volumeMounts"] if m["name"] == "hotloop-sessions"]
+        assert (mount["mountPath"], mount["subPath"]) == ("/s/", "hotloop")
+    raw = yaml.safe_load(rs["spec"]["serveConfigV2"])["applications"][0]["args"]["config"]
+    config = config_from_dict(raw)
+    # An absolute persist_dir is the user's choice and kept as is.
+    assert [m.engine.persist_dir for m in config.models] == ["/s/a", "/elsewhere/b"]
+
+
+@needs_helm
+def test_default_has_no_session_persistence() -> None:
+    assert not docs_of(render("default"), "PersistentVolumeClaim")
+    config = config_from_dict(serve_config("default")["applications"][0]["args"]["config"])
+    assert all(m.engine.persist_dir == "" for m in config.models)
+    for name, spec in _replica_pods(rayservice("default")):
+        assert "hotloop-sessions" not in {v["name"] for v in spec.get("volumes", [])}, name
+
+
 @needs_helm
 def test_notes_tell_how_to_reach_the_service() -> None:
     result = helm("install", RELEASE, str(CHART), "--dry-run=client", *values_args("autoscaling-values.yaml"))
@@ -742,6 +822,17 @@ SCHEMA_ERRORS: list[tuple[str, dict[str, Any], list[str]]] = [
         ["/hotloop/models/0/engine/kv_layout"],
     ),
     ("bad request log format", {"hotloop": {"telemetry": {"request_log": "xml"}}}, ["/hotloop/telemetry/request_log"]),
+    (
+        "relative sessions mount",
+        {"sessionPersistence": {"enabled": True, "mountPath": "sessions"}},
+        ["/sessionPersistence/mountPath"],
+    ),
+    (
+        "bad sessions access mode",
+        {"sessionPersistence": {"enabled": True, "accessModes": ["ReadWriteAll"]}},
+        ["/sessionPersistence/accessModes/0"],
+    ),
+    ("bad sessions size", {"sessionPersistence": {"size": "lots"}}, ["/sessionPersistence/size"]),
 ]
 
 # Cross-field checks the schema cannot express, made by the templates (`fail`): helm template /
@@ -800,6 +891,23 @@ TEMPLATE_ERRORS: list[tuple[str, dict[str, Any], list[str]]] = [
         "no pod runs replicas",
         {"workerGroups": {"cpu": {"enabled": False}}},
         ["no pod runs model replicas"],
+    ),
+    (
+        "sessions claim smaller than the disk budgets",
+        {
+            "sessionPersistence": {"enabled": True, "size": "10Gi"},
+            "hotloop": {"models": [{**BASE_MODEL, "name": "a"}, {**BASE_MODEL, "name": "b"}]},
+        },
+        ["sessionPersistence.size 10Gi", "engine.persist_bytes", "17179869184 bytes"],
+    ),
+    (
+        "sessions on the model volume",
+        {
+            "sessionPersistence": {"enabled": True, "mountPath": "/models"},
+            "modelSource": {"type": "pvc", "pvc": {"claimName": "m"}},
+            "hotloop": {"models": [{**BASE_MODEL, "path": "m.gguf"}]},
+        },
+        ["sessionPersistence.mountPath", "modelSource.mountPath"],
     ),
 ]
 

@@ -60,6 +60,11 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 
 {{- define "hotloop-serve.tokensDir" -}}/etc/hotloop/auth{{- end -}}
 
+{{/* The claim of sessionPersistence: the existing one, or the one the chart creates. */}}
+{{- define "hotloop-serve.sessionsClaimName" -}}
+{{- .Values.sessionPersistence.existingClaim | default (printf "%s-sessions" (include "hotloop-serve.fullname" .)) -}}
+{{- end -}}
+
 {{/* ---------- Kubernetes quantities ---------- */}}
 
 {{/* bytes: a memory quantity ("2Gi", "500M", 1073741824) as an integer number of bytes. */}}
@@ -259,6 +264,27 @@ Container resources of a worker group: the group's own `resources`, or sized fro
 {{- if and .Values.auth.tokensSecret.name (.Values.hotloop.auth | default dict).tokens_file -}}
 {{- fail "set either auth.tokensSecret.name (the chart mounts it and fills hotloop.auth.tokens_file) or hotloop.auth.tokens_file, not both" -}}
 {{- end -}}
+{{- $sp := .Values.sessionPersistence -}}
+{{- if $sp.enabled -}}
+{{- $spMount := trimSuffix "/" $sp.mountPath -}}
+{{- if and (ne $src.type "embedded") (eq $spMount (trimSuffix "/" $src.mountPath)) -}}
+{{- fail (printf "sessionPersistence.mountPath %q is also modelSource.mountPath: give the sessions their own directory" $sp.mountPath) -}}
+{{- end -}}
+{{- if and .Values.auth.tokensSecret.name (eq $spMount (include "hotloop-serve.tokensDir" .)) -}}
+{{- fail (printf "sessionPersistence.mountPath %q is where the auth tokens are mounted" $sp.mountPath) -}}
+{{- end -}}
+{{- if not $sp.existingClaim -}}
+{{- $budget := 0 -}}
+{{- range $m := .Values.hotloop.models -}}
+{{- $e := $m.engine | default dict -}}
+{{- $budget = add $budget (hasKey $e "persist_bytes" | ternary $e.persist_bytes 8589934592 | int64) -}}
+{{- end -}}
+{{- $claim := include "hotloop-serve.bytes" $sp.size | int64 -}}
+{{- if lt $claim (int64 $budget) -}}
+{{- fail (printf "sessionPersistence.size %v (%d bytes) is less than the models' disk budgets (the sum of engine.persist_bytes, 8 GiB each by default: %d bytes): raise the size or lower persist_bytes" $sp.size $claim (int64 $budget)) -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
 {{- /* every model must fit one pod that runs replicas */ -}}
 {{- $pods := list -}}
 {{- range $w := include "hotloop-serve.workerGroups" . | fromJsonArray -}}
@@ -307,12 +333,23 @@ Container resources of a worker group: the group's own `resources`, or sized fro
 {{- $_ := set $auth "session_secret_env" (include "hotloop-serve.sessionSecretEnv" .) -}}
 {{- $_ := set $cfg "auth" $auth -}}
 {{- $mount := trimSuffix "/" .Values.modelSource.mountPath -}}
+{{- $sp := .Values.sessionPersistence -}}
 {{- $models := list -}}
 {{- range $m := $cfg.models -}}
 {{- $m := deepCopy $m -}}
 {{- $path := $m.path | default "" -}}
 {{- if and $path (not (hasPrefix "embedded:" $path)) (not (hasPrefix "/" $path)) -}}
 {{- $_ := set $m "path" (printf "%s/%s" $mount $path) -}}
+{{- end -}}
+{{- if $sp.enabled -}}
+{{- /* the disk tier of session caches on the mounted claim, one directory per model */ -}}
+{{- $e := $m.engine | default dict -}}
+{{- $dir := $e.persist_dir | default ($m.name | default "gemma-3-270m") -}}
+{{- if not (hasPrefix "/" $dir) -}}
+{{- $dir = printf "%s/%s" (trimSuffix "/" $sp.mountPath) $dir -}}
+{{- end -}}
+{{- $_ := set $e "persist_dir" $dir -}}
+{{- $_ := set $m "engine" $e -}}
 {{- end -}}
 {{- $models = append $models $m -}}
 {{- end -}}
@@ -415,6 +452,11 @@ Container resources of a worker group: the group's own `resources`, or sized fro
       - key: {{ $root.Values.auth.tokensSecret.key }}
         path: {{ $root.Values.auth.tokensSecret.key }}
 {{- end }}
+{{- if and .models $root.Values.sessionPersistence.enabled }}
+- name: hotloop-sessions
+  persistentVolumeClaim:
+    claimName: {{ include "hotloop-serve.sessionsClaimName" $root }}
+{{- end }}
 {{- if and .models (ne $src.type "embedded") }}
 {{- if eq $src.type "pvc" }}
 - name: hotloop-models
@@ -455,6 +497,13 @@ Container resources of a worker group: the group's own `resources`, or sized fro
 - name: hotloop-tokens
   mountPath: {{ include "hotloop-serve.tokensDir" $root }}
   readOnly: true
+{{- end }}
+{{- if and .models $root.Values.sessionPersistence.enabled }}
+- name: hotloop-sessions
+  mountPath: {{ $root.Values.sessionPersistence.mountPath }}
+  {{- with $root.Values.sessionPersistence.subPath }}
+  subPath: {{ . }}
+  {{- end }}
 {{- end }}
 {{- if and .models (ne $src.type "embedded") }}
 - name: hotloop-models
