@@ -34,9 +34,10 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
+from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 
 from hotloop_serve.engine.stream import RequestStream
-from hotloop_serve.errors import HotloopError, NotFound, ResourceExhausted
+from hotloop_serve.errors import HotloopError, NotFound, ResourceExhausted, Unavailable
 from hotloop_serve.serve import openai_schema as oa
 from hotloop_serve.serve.deployment import ModelReplica
 from hotloop_serve.serve.servicer import _submit
@@ -212,6 +213,13 @@ class HttpModelReplica(ModelReplica):
                 raise _as_error(first["error"])
         except HotloopError as e:
             return error_response(e)
+        except BackPressureError:
+            # Every replica that could serve the conversation is full and Ray's queue too.
+            return error_response(
+                ResourceExhausted("every replica of this model is busy and its queue is full; retry later")
+            )
+        except DeploymentUnavailableError:
+            return error_response(Unavailable("no replica of this model is running; retry later"))
         except Exception as e:
             return error_response(e)
         cid = f"chatcmpl-{uuid.uuid4().hex}"

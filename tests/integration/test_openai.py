@@ -10,9 +10,11 @@ import itertools
 import json
 import os
 import secrets
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import jsonschema
@@ -161,6 +163,42 @@ def test_principals_never_share_a_conversation(http: Http, alice: openai.OpenAI)
         reply = bob.chat.completions.create(model=MODEL, messages=ask, max_tokens=4, temperature=0)  # type: ignore[arg-type]
     assert reply.usage is not None and reply.usage.prompt_tokens_details is not None
     assert reply.usage.prompt_tokens_details.cached_tokens == 0  # nothing of alice's cache
+
+
+def test_two_requests_of_one_conversation_at_once_both_complete(alice: openai.OpenAI) -> None:
+    """The second gets an alternate session of the conversation instead of superseding the first."""
+    ask = [{"role": "user", "content": "Tell me a story about two identical requests."}]
+    with ThreadPoolExecutor(2) as pool:
+        replies = list(
+            pool.map(
+                lambda _: alice.chat.completions.create(model=MODEL, messages=ask, max_tokens=24, temperature=0),  # type: ignore[arg-type]
+                range(2),
+            )
+        )
+    assert [r.choices[0].finish_reason for r in replies] == ["length", "length"]
+    assert replies[0].choices[0].message.content == replies[1].choices[0].message.content
+
+
+def test_a_client_leaving_mid_stream_cancels_its_turn(alice: openai.OpenAI) -> None:
+    from ray import serve
+
+    stream = alice.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Write a very long essay about rivers."}],
+        max_tokens=2000,
+        stream=True,
+    )
+    for i, _ in enumerate(stream):
+        if i == 3:
+            break
+    stream.close()
+    handle = serve.get_deployment_handle(MODEL, MODEL)
+    deadline = time.monotonic() + 20
+    idle = 0
+    while idle < 8:  # eight answers in a row, from both replicas, with nothing running
+        assert time.monotonic() < deadline, "the turn kept running after its client left"
+        idle = idle + 1 if handle.stats.remote().result()["active_requests"] == 0 else 0
+        time.sleep(0.1)
 
 
 def test_a_json_schema_reply_parses_and_validates(alice: openai.OpenAI) -> None:
