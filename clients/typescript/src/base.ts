@@ -12,7 +12,7 @@ import { randomBytes } from "node:crypto";
 
 import { Metadata } from "@grpc/grpc-js";
 
-import { errorForStatus, HotloopError, isStatusError, Status, statusOf, TurnInterrupted } from "./errors";
+import { fromRpcError, HotloopError, isStatusError, richDetails, Status, statusOf, TurnInterrupted } from "./errors";
 import * as pbc from "./gen/hotloop/v1/common";
 import type * as pbm from "./gen/hotloop/v1/model";
 import { ListApplicationsRequest, ListApplicationsResponse } from "./gen/hotloop/v1/serve_proxy";
@@ -134,9 +134,22 @@ export function isFailover(code: Status, details: string): boolean {
   return false;
 }
 
-/** Unary RPCs are idempotent, so a failover error is retried (up to `MAX_ATTEMPTS` attempts). */
+/**
+ * Whether the same request may be re-sent after `err`. hotloop-serve says so itself in its rich
+ * status (`RetryInfo`; its errors always carry an `ErrorInfo`, so one without `RetryInfo` is not
+ * retried, whatever its text says). Errors without rich details come from gRPC or from Ray's
+ * proxy (a replica that died): for those, `isFailover` decides from the code and Ray's wording.
+ */
+export function retriable(err: unknown): boolean {
+  const rich = richDetails(err);
+  if (rich.retryDelayMs !== undefined) return true;
+  if (rich.reason !== undefined) return false;
+  return isFailover(...statusOf(err));
+}
+
+/** Unary RPCs are idempotent, so a retriable error is retried (up to `MAX_ATTEMPTS` attempts). */
 export function shouldRetryUnary(err: unknown, attempt: number): boolean {
-  return attempt < MAX_ATTEMPTS && isStatusError(err) && isFailover(...statusOf(err));
+  return attempt < MAX_ATTEMPTS && isStatusError(err) && retriable(err);
 }
 
 /**
@@ -158,8 +171,7 @@ export class StreamProgress {
   /** Whether to start another attempt after `err` (and count it). */
   shouldRetry(err: unknown): boolean {
     if (!isStatusError(err)) return false;
-    const [code, details] = statusOf(err);
-    if (this.parts.length > 0 || this.attempts >= MAX_ATTEMPTS || !isFailover(code, details)) return false;
+    if (this.parts.length > 0 || this.attempts >= MAX_ATTEMPTS || !retriable(err)) return false;
     this.attempts += 1;
     return true;
   }
@@ -168,10 +180,10 @@ export class StreamProgress {
   error(err: unknown): unknown {
     if (!isStatusError(err)) return err;
     const [code, details] = statusOf(err);
-    if (this.parts.length > 0 && isFailover(code, details)) {
+    if (this.parts.length > 0 && retriable(err)) {
       return new TurnInterrupted(details, this.parts.join(""), code, { cause: err });
     }
-    return errorForStatus(code, details, { cause: err });
+    return fromRpcError(err);
   }
 }
 

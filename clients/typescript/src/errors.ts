@@ -21,9 +21,18 @@
  *
  * Statuses with no class of their own (UNIMPLEMENTED, ABORTED, ALREADY_EXISTS) throw the base
  * class with `.code` set, so nothing is silently re-labelled.
+ *
+ * The server also sends gRPC's richer error model (a `google.rpc.Status` in the
+ * `grpc-status-details-bin` trailer, decoded with the code generated from the vendored
+ * protos/google/rpc): `.reason` (a constant such as `SESSION_NOT_FOUND`), `.fieldViolations`
+ * (`[field, description]`: fix your request) and `.retryDelayMs` (the same request may be retried),
+ * so callers never parse `.details`.
  */
 
 import { status as Status } from "@grpc/grpc-js";
+
+import { BadRequest, ErrorInfo, RetryInfo } from "./gen/google/rpc/error_details";
+import { Status as RpcStatus } from "./gen/google/rpc/status";
 
 export { Status };
 
@@ -40,6 +49,12 @@ export class HotloopError extends Error {
   readonly code: Status;
   /** The server's (or the transport's) description of the failure. */
   readonly details: string;
+  /** `ErrorInfo.reason` from the server (`SESSION_NOT_FOUND`, `INVALID_SETTING`...). */
+  reason: string | undefined = undefined;
+  /** `BadRequest`: the request fields at fault, with why. */
+  fieldViolations: readonly (readonly [string, string])[] = [];
+  /** `RetryInfo`: milliseconds after which the same request may succeed; undefined: do not retry as is. */
+  retryDelayMs: number | undefined = undefined;
 
   constructor(details: string, code?: Status, options?: { cause?: unknown }) {
     const resolved = code ?? (new.target as typeof HotloopError).statusCode ?? Status.UNKNOWN;
@@ -186,9 +201,55 @@ export function statusOf(err: unknown): [Status, string] {
   return [Status.UNKNOWN, err instanceof Error ? err.message : String(err)];
 }
 
-/** Translate a grpc-js `ServiceError` into the hierarchy above (SDK errors pass through). */
+/** The trailer carrying the serialized `google.rpc.Status` (gRPC's richer error model). */
+export const DETAILS_KEY = "grpc-status-details-bin";
+
+/** What a `google.rpc.Status` trailer says, when the server sent one (Ray's own errors do not). */
+export interface RichDetails {
+  reason: string | undefined;
+  fieldViolations: (readonly [string, string])[];
+  retryDelayMs: number | undefined;
+}
+
+/** The rich details of a gRPC error; empty when it has no (or a mismatched) trailer. */
+export function richDetails(err: unknown): RichDetails {
+  const out: RichDetails = { reason: undefined, fieldViolations: [], retryDelayMs: undefined };
+  const metadata = (err as { metadata?: { get?: (key: string) => unknown[] } } | null)?.metadata;
+  const raw = metadata?.get?.(DETAILS_KEY)?.[0];
+  if (!(raw instanceof Uint8Array)) return out;
+  let status: RpcStatus;
+  try {
+    status = RpcStatus.decode(raw);
+  } catch {
+    return out;
+  }
+  if (status.code !== statusOf(err)[0]) return out; // a trailer that does not match the status
+  for (const detail of status.details) {
+    const type = detail.typeUrl.slice(detail.typeUrl.lastIndexOf("/") + 1);
+    try {
+      if (type === "google.rpc.ErrorInfo") {
+        out.reason = ErrorInfo.decode(detail.value).reason;
+      } else if (type === "google.rpc.BadRequest") {
+        for (const v of BadRequest.decode(detail.value).fieldViolations) out.fieldViolations.push([v.field, v.description]);
+      } else if (type === "google.rpc.RetryInfo") {
+        const delay = RetryInfo.decode(detail.value).retryDelay;
+        out.retryDelayMs = delay ? Number(delay.seconds) * 1000 + delay.nanos / 1e6 : 0;
+      }
+    } catch {
+      // a detail that does not decode is skipped
+    }
+  }
+  return out;
+}
+
+/** Translate a grpc-js `ServiceError` into the hierarchy above, with its rich details (SDK errors pass through). */
 export function fromRpcError(err: unknown): HotloopError {
   if (err instanceof HotloopError) return err;
   const [code, details] = statusOf(err);
-  return errorForStatus(code, details, { cause: err });
+  const error = errorForStatus(code, details, { cause: err });
+  const rich = richDetails(err);
+  error.reason = rich.reason;
+  error.fieldViolations = rich.fieldViolations;
+  error.retryDelayMs = rich.retryDelayMs;
+  return error;
 }

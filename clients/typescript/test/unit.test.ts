@@ -29,7 +29,13 @@ import {
   withMessageReplaced,
   withoutLastReply,
 } from "../src";
+import * as grpc from "@grpc/grpc-js";
+
 import * as base from "../src/base";
+import * as errors from "../src/errors";
+import type { Any } from "../src/gen/google/protobuf/any";
+import { BadRequest, ErrorInfo, RetryInfo } from "../src/gen/google/rpc/error_details";
+import { Status as RpcStatus } from "../src/gen/google/rpc/status";
 import type * as pbs from "../src/gen/hotloop/v1/session";
 import { encodeApplicationNames, FakeServer, patternBlob } from "./fake-server";
 
@@ -163,6 +169,54 @@ describe("wire helpers", () => {
     assert.equal(interrupted.partialText, "Hello");
     assert.equal(interrupted.name, "TurnInterrupted");
     assert.equal(new NotFound("x").code, Status.NOT_FOUND);
+  });
+});
+
+describe("the richer error model", () => {
+  /** A grpc-js ServiceError with the server's `grpc-status-details-bin` trailer. */
+  function withDetails(code: Status, details: string, ...packed: Any[]): Error {
+    const metadata = new grpc.Metadata();
+    metadata.set(errors.DETAILS_KEY, Buffer.from(RpcStatus.encode({ code, message: details, details: packed }).finish()));
+    return Object.assign(new Error(details), { code, details, metadata });
+  }
+  const pack = (type: string, value: Uint8Array): Any => ({
+    typeUrl: `type.googleapis.com/google.rpc.${type}`,
+    value: Buffer.from(value),
+  });
+  const info = (reason: string): Any => pack("ErrorInfo", ErrorInfo.encode({ reason, domain: "hotloop-serve", metadata: {} }).finish());
+
+  test("reason, field violations and retry delay, without parsing text", () => {
+    const bad = errors.fromRpcError(
+      withDetails(
+        Status.INVALID_ARGUMENT,
+        "top_p must be in (0, 1]",
+        info("INVALID_SETTING"),
+        pack("BadRequest", BadRequest.encode({ fieldViolations: [{ field: "settings.top_p", description: "top_p must be in (0, 1]", reason: "", localizedMessage: undefined }] }).finish()),
+      ),
+    );
+    assert.ok(bad instanceof InvalidArgument);
+    assert.equal(bad.reason, "INVALID_SETTING");
+    assert.deepEqual(bad.fieldViolations, [["settings.top_p", "top_p must be in (0, 1]"]]);
+    assert.equal(bad.retryDelayMs, undefined);
+    const retry = pack("RetryInfo", RetryInfo.encode({ retryDelay: { seconds: 1n, nanos: 500_000_000 } }).finish());
+    const later = errors.fromRpcError(withDetails(Status.UNAVAILABLE, "draining", info("UNAVAILABLE"), retry));
+    assert.equal(later.retryDelayMs, 1500);
+  });
+
+  test("retries follow the server's word, then Ray's wording", () => {
+    const retry = pack("RetryInfo", RetryInfo.encode({ retryDelay: { seconds: 0n, nanos: 200_000_000 } }).finish());
+    assert.ok(base.retriable(withDetails(Status.RESOURCE_EXHAUSTED, "queue full", info("RESOURCE_EXHAUSTED"), retry)));
+    // Our own INTERNAL is a bug even if its text says "replica": never re-sent.
+    assert.ok(!base.retriable(withDetails(Status.INTERNAL, "replica state corrupt", info("INTERNAL"))));
+    // No rich details (gRPC itself, Ray's proxy): the code and Ray's wording decide.
+    const plain = (code: Status, details: string): Error => Object.assign(new Error(details), { code, details });
+    assert.ok(base.retriable(plain(Status.UNAVAILABLE, "connection refused")));
+    assert.ok(base.retriable(plain(Status.INTERNAL, "ray.exceptions.ActorDiedError: gone")));
+    assert.ok(!base.retriable(plain(Status.INTERNAL, "division by zero")));
+    // A trailer that does not match the status is ignored.
+    const lying = withDetails(Status.NOT_FOUND, "x", info("SESSION_NOT_FOUND"));
+    (lying as unknown as { code: number }).code = Status.INTERNAL;
+    assert.equal(errors.fromRpcError(lying).reason, undefined);
   });
 });
 
