@@ -275,6 +275,8 @@ class HttpModelReplica(ModelReplica):
                 self._http_busy.add(sid)
                 self._http_lru[sid] = call.principal
                 self._http_lru.move_to_end(sid)
+                while len(self._http_lru) > self.engine.options.max_sessions:  # forget the oldest
+                    self._http_lru.popitem(last=False)
                 span.set_attribute("hotloop.session_id", sid)
                 t0 = time.perf_counter()
                 stream = await self._start(sid, call)

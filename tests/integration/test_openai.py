@@ -21,7 +21,7 @@ import jsonschema
 import openai
 import pytest
 from conftest import free_port
-from hotloop_client import Client, Message, Role, Settings
+from hotloop_client import Client, InvalidArgument, Message, Role, Settings
 
 from hotloop_serve.config import Config, config_from_dict
 
@@ -301,3 +301,9 @@ def test_structured_output_and_logprobs_over_grpc(http: Http) -> None:
     pieces = b"".join(lp.piece for c in chunks for lp in c.logprobs)
     assert pieces.decode() == text
     assert all(len(lp.top) == 2 for c in chunks for lp in c.logprobs)
+    with Client(http.grpc, token=ALICE) as client:
+        session = client.model(MODEL).new_session()
+        with pytest.raises(InvalidArgument, match="json_schema is not supported"):
+            list(session.generate([Message(Role.USER, "x")], json_schema='{"type": "nonsense"}'))
+        with pytest.raises(InvalidArgument, match="grammar is not valid GBNF"):
+            client.model(MODEL).new_session(settings=Settings(grammar='root ::= "a'))
