@@ -231,6 +231,34 @@ describe(`hotloop-serve on loopback (${MODEL})`, () => {
     for (const s of [source, fork, imported]) await s.close();
   });
 
+  test("structured output (jsonSchema) and logprobs", async () => {
+    const schema = {
+      type: "object",
+      properties: { name: { type: "string" }, age: { type: "integer" } },
+      required: ["name", "age"],
+    };
+    const settings: Settings = {
+      temperature: 0,
+      sampleLen: 48,
+      jsonSchema: JSON.stringify(schema),
+      logprobs: true,
+      topLogprobs: 2,
+    };
+    const session = await client.model(MODEL).newSession({ settings });
+    const chunks = await collect(session.generate([["user", "Describe a person named Ann, aged 31, as JSON."]]));
+    const reply = JSON.parse(text(chunks)) as { name: unknown; age: unknown };
+    assert.equal(typeof reply.name, "string");
+    assert.ok(Number.isInteger(reply.age));
+    const tokens = chunks.flatMap((c) => [...c.logprobs]);
+    assert.equal(Buffer.concat(tokens.map((t) => Buffer.from(t.piece))).toString("utf8"), text(chunks));
+    assert.ok(tokens.every((t) => t.logprob <= 0 && t.top.length === 2));
+    await assert.rejects(
+      collect(session.generate([["user", "x"]], { jsonSchema: '{"type": "nonsense"}' })),
+      (err: Error) => err instanceof InvalidArgument && /json_schema is not supported/.test(err.message),
+    );
+    await session.close();
+  });
+
   test("errors: unknown session is NotFound, bad settings are InvalidArgument", async () => {
     const unknown = client.model(MODEL).session("no-such-session.id");
     await assert.rejects(collect(unknown.generate(HISTORY)), NotFound);
