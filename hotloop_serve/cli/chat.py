@@ -450,15 +450,21 @@ class Chat:
             if k is None:
                 return
             history = history[:k]
+        # The cache of the conversation the fork starts with, named explicitly (also when it is
+        # all of it): the server copies those tokens in KV memory, no prefill again.
         keep = [*([Message(Role.SYSTEM, self.system)] if self.system else []), *history]
+        forked: Session | None = None
         try:
-            # The server copies the cache (up to ``keep``) in KV memory: no prefill again.
-            forked = self.session.fork(keep if arg else None)
+            forked = self.session.fork(keep) if keep else None
         except NotFound:
             if self.model is None:
                 raise
-            # Nothing cached to copy (never used, or expired): a new session with the same
-            # settings; the fork's next turn prefills its history.
+        if forked is None:
+            if self.model is None:
+                self.console.print("nothing to fork yet: say something first", style="yellow")
+                return
+            # Nothing cached to copy (nothing said yet, never used, or expired): a new session
+            # with the same settings; the fork's next turn prefills its history.
             forked = self.model.new_session(settings=self.session.settings)
         self._switch_to(Branch(forked, self.system, history), f"forked session {self.current + 1}")
 

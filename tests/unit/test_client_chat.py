@@ -353,7 +353,7 @@ def test_fork_switch_and_sessions(echo: tuple[str, EchoServer]) -> None:
     assert code == 0
     forks = server.of("ForkSession")
     assert [f.session_id for f in forks] == ["s-1", "s-1"]
-    assert [m.content for m in forks[0].messages] == []  # the whole cache
+    assert [m.content for m in forks[0].messages] == ["hi", "echo: hi"]  # the whole conversation
     assert [m.content for m in forks[1].messages] == ["hi"]  # up to message 1
     assert all(f.settings.seed == 3 for f in forks)
     assert sent(server) == [
@@ -385,6 +385,11 @@ def test_fork_without_a_cache_opens_a_new_session(echo: tuple[str, EchoServer]) 
     assert "now in session 2" in out
     # The new session gets the branch's whole history (it prefills it).
     assert sent(server)[-1] == ("s-1", ["hi", "echo: hi", "more"])
+    # Nothing said yet: nothing to copy, no ForkSession at all.
+    server.requests.clear()
+    code, out = run(address, "/fork", "first", model=MODEL)
+    assert code == 0 and not server.of("ForkSession") and len(server.of("CreateSession")) == 2
+    assert sent(server) == [("s-1", ["first"])] and "now in session 2" in out
 
 
 def test_export_then_import(echo: tuple[str, EchoServer], tmp_path: Path) -> None:
