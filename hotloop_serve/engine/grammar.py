@@ -10,6 +10,7 @@ import contextlib
 import functools
 import io
 import json
+import re
 import threading
 
 import llama_cpp as ll
@@ -19,6 +20,7 @@ from hotloop_serve.errors import InvalidArgument
 
 GBNF_DOCS = "https://github.com/ggml-org/llama.cpp/blob/master/grammars/README.md"
 _CAPTURE = threading.Lock()
+_ROOT_RULE = re.compile(r"^\s*root\s*::=", re.MULTILINE)
 
 
 @functools.lru_cache(maxsize=256)
@@ -48,11 +50,14 @@ def check_grammar(grammar: str) -> None:
     """Parse ``grammar`` with llama.cpp's own parser (no model needed); InvalidArgument with its complaint."""
     if "\0" in grammar:
         raise InvalidArgument("grammar must not contain NUL characters")
+    if not _ROOT_RULE.search(grammar):
+        raise InvalidArgument(f"grammar is not valid GBNF (it has no 'root' rule, the start symbol); see {GBNF_DOCS}")
     log = io.StringIO()
     with _CAPTURE, contextlib.redirect_stderr(log):
         sampler = ll.llama_sampler_init_grammar(None, grammar.encode(), b"root")
     if sampler:
         ll.llama_sampler_free(sampler)
         return
-    said = " ".join(log.getvalue().split()) or "it does not parse"
+    # llama.cpp says why through its log callback, which llama-cpp-python may have silenced.
+    said = " ".join(log.getvalue().split()) or "llama.cpp's parser refused it"
     raise InvalidArgument(f"grammar is not valid GBNF ({said}); see {GBNF_DOCS}")

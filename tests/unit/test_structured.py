@@ -40,7 +40,7 @@ HISTORY = [M("user", "Say something.")]
         ({"json_schema": "[1, 2]"}, "json_schema must be a JSON object"),
         ({"json_schema": '{"$ref": "#/definitions/nope"}'}, "json_schema is not supported"),
         ({"grammar": 'root ::= "a'}, "grammar is not valid GBNF"),
-        ({"grammar": 'start ::= "a"'}, "'root' symbol"),
+        ({"grammar": 'start ::= "a"'}, "no 'root' rule"),
         ({"grammar": 'root ::= "a"', "json_schema": "{}"}, "exclusive"),
         ({"grammar": "x" * (64 * 1024 + 1)}, "at most"),
         ({"top_logprobs": 21}, "top_logprobs must be in [0, 20]"),
