@@ -195,18 +195,16 @@ class HttpModelReplica(ModelReplica):
         try:
             principal = self._http_principal(request)
             req = oa.parse_request(await self._body(request))
-            if req.model != self.model.name:
-                served = [m.name for m in self.config.models]
-                where = (
-                    f"; {req.model!r} is served at /{req.model}/v1" if req.model in served else f"; served: {served}"
-                )
-                raise NotFound(f"model {req.model!r} not found at this endpoint (it serves {self.model.name!r}){where}")
-            messages = oa.messages_of(req, self.model.limits.max_messages)
-            settings = oa.settings_of(req, self.engine.defaults)
-            key = oa.conversation_key(principal, req.model, messages, request.headers.get(oa.SESSION_HEADER))
-            call = oa.ChatCall(key, principal, messages, settings, request.headers.get("traceparent"))
-            handle = serve.get_deployment_handle(self._deployment, self._app)
-            items = handle.options(stream=True, session_id=key).OpenAIChat.remote(call)
+            session, traceparent = request.headers.get(oa.SESSION_HEADER), request.headers.get("traceparent")
+            if req.model == self.model.name:
+                items = self._dispatch(req, principal, session, traceparent)
+            elif req.model in {m.name for m in self.config.models}:
+                # Another model of this server: its own application plans and routes the turn.
+                other = serve.get_deployment_handle(req.model, req.model)
+                items = other.options(stream=True).OpenAIForward.remote(req, principal, session, traceparent)
+            else:
+                served = ", ".join(m.name for m in self.config.models)
+                raise NotFound(f"model {req.model!r} not found; this server serves: {served}")
             first = await items.__anext__()
             if "error" in first:
                 items.cancel()
@@ -231,6 +229,32 @@ class HttpModelReplica(ModelReplica):
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
             )
         return await _collect(cid, req.model, first, items)
+
+    def _dispatch(
+        self, req: oa.ChatCompletionRequest, principal: str, session: str | None, traceparent: str | None
+    ) -> Any:
+        """Plan a turn of this model and hand it to its conversation's owner: the stream of its items."""
+        messages = oa.messages_of(req, self.model.limits.max_messages)
+        settings = oa.settings_of(req, self.engine.defaults)
+        key = oa.conversation_key(principal, req.model, messages, session)
+        call = oa.ChatCall(key, principal, messages, settings, traceparent)
+        handle = serve.get_deployment_handle(self._deployment, self._app)
+        return handle.options(stream=True, session_id=key).OpenAIChat.remote(call)
+
+    async def OpenAIForward(
+        self, req: oa.ChatCompletionRequest, principal: str, session: str | None, traceparent: str | None
+    ) -> AsyncIterator[dict[str, Any]]:
+        """A turn for this model received by another model's endpoint (already authenticated)."""
+        items = None
+        try:
+            items = self._dispatch(req, principal, session, traceparent)
+            async for item in items:
+                yield item
+        except HotloopError as e:
+            yield {"error": {"code": e.code, "message": e.message, "field": getattr(e, "field", None)}}
+        finally:
+            if items is not None:
+                items.cancel()
 
     # -- the conversation's owner ---------------------------------------------------------
     def _pick_session(self, call: oa.ChatCall) -> str:

@@ -28,6 +28,7 @@ from hotloop_serve.config import Config, config_from_dict
 pytestmark = pytest.mark.integration
 
 MODEL = "gemma-3-270m"
+OTHER = "gemma-other"
 ALICE = "alice-" + secrets.token_urlsafe(16)
 BOB = "bob-" + secrets.token_urlsafe(16)
 MAX_BODY = 64 * 1024
@@ -63,14 +64,15 @@ def http() -> Iterator[Http]:
                     "engine": engine,
                     "resources": {"num_cpus": 1},
                     "limits": {"max_request_bytes": MAX_BODY},
-                }
+                },
+                {"name": OTHER, "engine": engine, "resources": {"num_cpus": 1}},
             ],
         }
     )
     os.environ.setdefault("HOTLOOP_SESSION_SECRET", secrets.token_urlsafe(32))
     try:
         start_server(config, num_cpus=4)
-        wait_until_serving(f"127.0.0.1:{grpc_port}", [MODEL], timeout_s=300)
+        wait_until_serving(f"127.0.0.1:{grpc_port}", [MODEL, OTHER], timeout_s=300)
         yield Http(f"http://127.0.0.1:{http_port}/{MODEL}/v1", f"127.0.0.1:{grpc_port}", config)
     finally:
         stop_server()
@@ -82,9 +84,15 @@ def alice(http: Http) -> Iterator[openai.OpenAI]:
         yield client
 
 
-def test_models_lists_the_served_model(alice: openai.OpenAI) -> None:
-    assert [m.id for m in alice.models.list()] == [MODEL]
-    assert alice.models.retrieve(MODEL).id == MODEL
+def test_models_lists_the_served_models_and_one_base_url_serves_them_all(alice: openai.OpenAI) -> None:
+    assert [m.id for m in alice.models.list()] == [MODEL, OTHER]
+    assert alice.models.retrieve(OTHER).id == OTHER
+    ask = [{"role": "user", "content": "Hello there."}]
+    first = alice.chat.completions.create(model=OTHER, messages=ask, max_tokens=4, temperature=0)  # type: ignore[arg-type]
+    again = alice.chat.completions.create(model=OTHER, messages=ask, max_tokens=4, temperature=0)  # type: ignore[arg-type]
+    assert first.model == OTHER and first.model_extra is not None
+    assert again.usage is not None and again.usage.prompt_tokens_details is not None
+    assert again.usage.prompt_tokens_details.cached_tokens == again.usage.prompt_tokens - 1  # routed, hot
 
 
 def test_a_reply_with_usage_finish_reason_and_a_seed(alice: openai.OpenAI) -> None:
