@@ -95,15 +95,19 @@ async def _collect(cid: str, model: str, first: dict[str, Any], items: Any) -> R
     text: list[str] = []
     logprobs: list[dict[str, Any]] | None = None
     item = first
-    while True:
-        if "error" in item:
-            return error_response(_as_error(item["error"]))
-        text.append(item["text"])
-        if "logprobs" in item:
-            logprobs = (logprobs or []) + item["logprobs"]
-        if "finish_reason" in item:
-            break
-        item = await items.__anext__()
+    try:
+        while True:
+            if "error" in item:
+                return error_response(_as_error(item["error"]))
+            text.append(item["text"])
+            if "logprobs" in item:
+                logprobs = logprobs or []
+                logprobs.extend(item["logprobs"])
+            if "finish_reason" in item:
+                break
+            item = await items.__anext__()
+    finally:  # the client left (Ray cancels this task), or an error: stop the turn on its replica
+        items.cancel()
     body = oa.completion_json(cid, model, "".join(text), item["finish_reason"], logprobs, item["usage"])
     body["hotloop"] = item["hotloop"]
     return JSONResponse(body)

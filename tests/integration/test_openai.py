@@ -187,19 +187,25 @@ def test_two_requests_of_one_conversation_at_once_both_complete(alice: openai.Op
     assert replies[0].choices[0].message.content == replies[1].choices[0].message.content
 
 
-def test_a_client_leaving_mid_stream_cancels_its_turn(alice: openai.OpenAI) -> None:
+@pytest.mark.parametrize("stream", [True, False], ids=["stream", "whole"])
+def test_a_client_leaving_cancels_its_turn(http: Http, stream: bool) -> None:
     from ray import serve
 
-    stream = alice.chat.completions.create(
-        model=MODEL,
-        messages=[{"role": "user", "content": "Write a very long essay about rivers."}],
-        max_tokens=2000,
-        stream=True,
-    )
-    for i, _ in enumerate(stream):
-        if i == 3:
-            break
-    stream.close()
+    ask = [{"role": "user", "content": "Write a very long essay about rivers."}]
+    # A grammar that cannot end before 1500 characters: the turn runs until cancelled.
+    long_turn = {"grammar": 'root ::= [a-z ]{1500,1600}'}
+    with openai.OpenAI(base_url=http.base_url, api_key=ALICE, max_retries=0, timeout=3) as client:
+        if stream:
+            events = client.chat.completions.create(
+                model=MODEL, messages=ask, max_tokens=2000, stream=True, extra_body=long_turn  # type: ignore[arg-type]
+            )
+            for i, _ in enumerate(events):
+                if i == 3:
+                    break
+            events.close()
+        else:
+            with pytest.raises(openai.APITimeoutError):
+                client.chat.completions.create(model=MODEL, messages=ask, max_tokens=2000, extra_body=long_turn)  # type: ignore[arg-type]
     handle = serve.get_deployment_handle(MODEL, MODEL)
     deadline = time.monotonic() + 20
     idle = 0
