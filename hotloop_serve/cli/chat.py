@@ -498,7 +498,12 @@ class Chat:
         table = Table(box=None, pad_edge=False)
         for column in ("", "id", "state", "tokens", "last used", "replica"):
             table.add_column(column)
-        for info in self.model.list_sessions():
+        listed = self.model.list_sessions()
+        if not listed:
+            # Listing is per principal; a server without auth may show an anonymous caller none.
+            self.console.print("the server lists no sessions of yours", style="dim")
+            return
+        for info in listed:
             n = mine.get(info.id)
             mark = "" if n is None else ("*" if n == self.current + 1 else str(n))
             replica = info.served_by.replica if info.served_by else ""

@@ -37,6 +37,7 @@ class EchoServer(session_pb2_grpc.SessionServiceServicer, model_pb2_grpc.ModelSe
         self.settings = common_pb2.Settings()
         self.forks = 0
         self.fork_fails = False
+        self.listed = True
 
     def of(self, method: str) -> list[Any]:
         return [r for m, r in self.requests if m == method]
@@ -99,6 +100,8 @@ class EchoServer(session_pb2_grpc.SessionServiceServicer, model_pb2_grpc.ModelSe
 
     def ListSessions(self, request: Any, context: grpc.ServicerContext) -> Any:
         self.requests.append(("ListSessions", request))
+        if not self.listed:
+            return session_pb2.ListSessionsResponse()
         return session_pb2.ListSessionsResponse(
             sessions=[
                 session_pb2.Session(
@@ -374,6 +377,9 @@ def test_fork_switch_and_sessions(echo: tuple[str, EchoServer]) -> None:
     assert "no session '7': /switch lists 1 to 3" in out
     # Leaving closes every session the chat opened.
     assert sorted(r.session_id for r in server.of("CloseSession")) == ["fork-1", "fork-2", "s-1"]
+    server.listed = False
+    _, out = run(address, "/sessions", model=MODEL)
+    assert "the server lists no sessions of yours" in out
 
 
 def test_fork_without_a_cache_opens_a_new_session(echo: tuple[str, EchoServer]) -> None:
