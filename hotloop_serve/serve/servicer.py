@@ -26,8 +26,8 @@ from hotloop_serve.engine.engine import Engine
 from hotloop_serve.engine.stream import RequestStream
 from hotloop_serve.errors import InvalidArgument, NotFound, ResourceExhausted
 from hotloop_serve.serve import convert
-from hotloop_serve.serve.auth import Authenticator
-from hotloop_serve.serve.session_ids import SessionIds, new_routing_key
+from hotloop_serve.serve.auth import ANONYMOUS, Authenticator
+from hotloop_serve.serve.session_ids import SessionIds, new_routing_key, routing_key
 from hotloop_serve.serve.status import set_status
 from hotloop_serve.telemetry import RpcSpan, Telemetry
 
@@ -161,6 +161,17 @@ class ModelServicer:
             raise NotFound(f"session {session_id!r} not found (it was closed)")
         return sid
 
+    @staticmethod
+    def _tenant(principal: str, sid: str) -> str:
+        """Who owns a session's cache in the engine: the principal, except for anonymous callers.
+
+        Anonymous callers are not one tenant: each anonymous session is its own owner, so no
+        prefix is shared and no quota is counted between unrelated callers, and
+        ``cached_tokens`` never reveals another caller's prompt. (The session id stays signed
+        for ``anonymous``, so ids keep working; listing shows an anonymous caller nothing.)
+        """
+        return f"{ANONYMOUS}/{routing_key(sid)}" if principal == ANONYMOUS else principal
+
     async def _here(self, session_id: str, principal: str) -> str:
         """A verified session id whose cache, if it exists anywhere, is on this replica now.
 
@@ -170,15 +181,16 @@ class ModelServicer:
         """
         sid = self._session(session_id, principal)
         if not self.engine.known(sid):
-            await self.adopt_from_previous_owner(sid, principal)
+            await self.adopt_from_previous_owner(sid, self._tenant(principal, sid))
         return sid
 
     async def adopt_from_previous_owner(self, sid: str, principal: str) -> None:
         """Fetch a session from the replica that owned it before; overridden where replicas exist."""
 
     def _session_proto(self, sid: str, principal: str) -> spb.Session:
-        info = self.engine.session_info(sid, principal) if self.engine.known(sid) else None
-        settings = info.settings if info else self.engine.settings_of(sid, principal)
+        owner = self._tenant(principal, sid)
+        info = self.engine.session_info(sid, owner) if self.engine.known(sid) else None
+        settings = info.settings if info else self.engine.settings_of(sid, owner)
         by = pb.ServedBy()
         by.CopyFrom(self.served_by)
         by.cache_hit = bool(info and info.context_tokens)
@@ -254,7 +266,7 @@ class ModelServicer:
         """Create a keyed session here (this replica owns the key); no auth: callers did it."""
         settings = convert.settings_from_proto(request.settings, self.engine.defaults)
         sid = self.ids.new(principal, request.session_key)
-        self.engine.create_session(sid, principal, settings)
+        self.engine.create_session(sid, self._tenant(principal, sid), settings)
         return self._session_proto(sid, principal)
 
     async def route_create(self, request: spb.CreateSessionRequest, principal: str) -> spb.Session:
@@ -269,14 +281,14 @@ class ModelServicer:
     async def UpdateSettings(self, request: spb.UpdateSettingsRequest, principal: str, span: RpcSpan) -> spb.Session:
         sid = await self._here(request.session_id, principal)
         settings = convert.settings_from_proto(request.settings, self.engine.defaults)
-        self.engine.update_settings(sid, principal, settings)
+        self.engine.update_settings(sid, self._tenant(principal, sid), settings)
         return self._session_proto(sid, principal)
 
     @unary(spb.Session)
     async def ClearCache(self, request: spb.ClearCacheRequest, principal: str, span: RpcSpan) -> spb.Session:
         sid = await self._here(request.session_id, principal)
         if self.engine.known(sid):
-            await asyncio.to_thread(self.engine.clear_cache, sid, principal)
+            await asyncio.to_thread(self.engine.clear_cache, sid, self._tenant(principal, sid))
         return self._session_proto(sid, principal)
 
     @unary(spb.CloseSessionResponse)
@@ -285,7 +297,7 @@ class ModelServicer:
     ) -> spb.CloseSessionResponse:
         sid = await self._here(request.session_id, principal)
         if self.engine.known(sid):
-            await asyncio.to_thread(self.engine.close_session, sid, principal)
+            await asyncio.to_thread(self.engine.close_session, sid, self._tenant(principal, sid))
         self._closed[sid] = None
         while len(self._closed) > _CLOSED_REMEMBERED:
             self._closed.popitem(last=False)
@@ -302,12 +314,19 @@ class ModelServicer:
             raise NotFound(f"session {request.session_id!r} has no cache on this server (it was never used)")
         keep = convert.messages_from_proto(request.messages, self.model.limits.max_messages) or None
         settings = (
-            convert.settings_from_proto(request.settings, self.engine.settings_of(source, principal))
+            convert.settings_from_proto(
+                request.settings, self.engine.settings_of(source, self._tenant(principal, source))
+            )
             if convert.has_settings(request.settings)
             else None
         )
         sid = self.ids.new(principal, await self.colocated_key(request.session_key))
-        await asyncio.to_thread(self.engine.fork_session, source, principal, sid, keep, settings)
+        owner, new_owner = self._tenant(principal, source), self._tenant(principal, sid)
+        if owner == new_owner:
+            await asyncio.to_thread(self.engine.fork_session, source, owner, sid, keep, settings)
+        else:  # two anonymous tenants: a copy of the cache, never a shared one
+            blob = await asyncio.to_thread(self.engine.export_session, source, owner)
+            await asyncio.to_thread(self.engine.import_session, sid, new_owner, blob, settings, keep)
         span.set_attribute("hotloop.session_id", sid)
         return self._session_proto(sid, principal)
 
@@ -343,7 +362,7 @@ class ModelServicer:
                 span.set_attribute("hotloop.session_id", sid)
                 if not self.engine.known(sid):
                     raise NotFound(f"session {request.session_id!r} has no cache on this server (it was never used)")
-                blob = await asyncio.to_thread(self.engine.export_session, sid, principal)
+                blob = await asyncio.to_thread(self.engine.export_session, sid, self._tenant(principal, sid))
                 for start in range(0, len(blob), TRANSFER_PART_BYTES):
                     yield spb.ExportSessionChunk(data=blob[start : start + TRANSFER_PART_BYTES], total_bytes=len(blob))
         except (GeneratorExit, asyncio.CancelledError):
@@ -391,7 +410,7 @@ class ModelServicer:
             if convert.has_settings(request.settings)
             else None
         )
-        await asyncio.to_thread(self.engine.import_session, sid, principal, bytes(buf), settings)
+        await asyncio.to_thread(self.engine.import_session, sid, self._tenant(principal, sid), bytes(buf), settings)
         span.set_attribute("hotloop.session_id", sid)
         return self._session_proto(sid, principal)
 
@@ -403,7 +422,8 @@ class ModelServicer:
         hit = self.engine.known(sid)
         messages = convert.messages_from_proto(request.messages, self.model.limits.max_messages)
         settings = self._turn_settings(request.settings, sid, principal)
-        stream = await _submit(functools.partial(self.engine.warmup, sid, principal, messages, settings))
+        owner = self._tenant(principal, sid)
+        stream = await _submit(functools.partial(self.engine.warmup, sid, owner, messages, settings))
         try:
             final = await stream.aresult()
         except asyncio.CancelledError:  # the caller left: stop prefilling for nobody
@@ -416,14 +436,14 @@ class ModelServicer:
         self.telemetry.record_usage(span, final, "Warmup")
         return spb.WarmupResponse(
             usage=convert.usage_to_proto(final.usage),
-            context_tokens=self.engine.session_info(sid, principal).context_tokens,
+            context_tokens=self.engine.session_info(sid, owner).context_tokens,
             served_by=by,
         )
 
     def _turn_settings(self, msg: pb.Settings, sid: str, principal: str) -> Any:
         if not convert.has_settings(msg):
             return None
-        return convert.settings_from_proto(msg, self.engine.settings_of(sid, principal))
+        return convert.settings_from_proto(msg, self.engine.settings_of(sid, self._tenant(principal, sid)))
 
     async def Generate(
         self, request: spb.GenerateRequest, grpc_context: Any = None
@@ -439,7 +459,8 @@ class ModelServicer:
                 messages = convert.messages_from_proto(request.messages, self.model.limits.max_messages)
                 settings = self._turn_settings(request.settings, sid, principal)
                 t0 = time.perf_counter()
-                stream = await _submit(functools.partial(self.engine.generate, sid, principal, messages, settings))
+                owner = self._tenant(principal, sid)
+                stream = await _submit(functools.partial(self.engine.generate, sid, owner, messages, settings))
                 first = True
                 async for chunk in stream:
                     if first:

@@ -1,8 +1,8 @@
 """Session operations through the real server: fork, edit, list, export/import, restart from disk.
 
-Runs against its own application (``gemma-sessions``: one replica, a disk tier in a
-temporary directory) plus the shared ``gemma-duo`` (two replicas) for listing across
-replicas and importing into another deployment.
+Runs against its own application (``gemma-sessions``: two replicas, bearer tokens, a disk
+tier in a temporary directory) plus the shared ``gemma-duo`` (anonymous) for importing into
+another deployment.
 """
 
 from __future__ import annotations
@@ -30,18 +30,22 @@ from .conftest import DUO, Server
 
 pytestmark = pytest.mark.integration
 APP = "gemma-sessions"
+LIST_APP = "gemma-sessions-duo"
 GREEDY = Settings(temperature=0, sample_len=12, repeat_penalty=1.0)
 SECRET = "sessions-secret-0123456789abcdef"
+TOKENS = {"alice": "alice-token-0123456789", "bob": "bob-token-0123456789"}
 
 
-def app_config(server: Server, persist: Path) -> Config:
+def app_config(server: Server, persist: Path | None, name: str = APP, replicas: int = 1) -> Config:
     doc = server.config.model_dump(mode="json")
+    doc["auth"] = {"tokens": TOKENS}
     doc["models"] = [
         {
-            "name": APP,
+            "name": name,
+            "replicas": replicas,
             "engine": {"context_tokens": 8192, "session_context_tokens": 4096, "hot_sessions": 4, "threads": 2,
-                       "persist_dir": str(persist)},
-            "resources": {"num_cpus": 1},
+                       "persist_dir": str(persist) if persist else ""},
+            "resources": {"num_cpus": 0.5},
         }
     ]  # fmt: skip
     return config_from_dict(doc)
@@ -56,11 +60,25 @@ def sessions_app(server: Server, tmp_path_factory: pytest.TempPathFactory) -> It
         serve.delete(APP)
 
 
+@pytest.fixture(scope="module")
+def sessions_duo(server: Server) -> Iterator[str]:
+    """Two replicas with bearer tokens, for listing a principal's sessions across replicas."""
+    config = app_config(server, None, LIST_APP, replicas=2)
+    serve.run(model_app(config, config.models[0], SECRET), name=LIST_APP, route_prefix=f"/{LIST_APP}")
+    yield server.address
+    if serve.status().applications.get(LIST_APP) is not None:
+        serve.delete(LIST_APP)
+
+
 def turns(n: int) -> list[Message]:
     history = [Message(Role.SYSTEM, "You are a helpful assistant.")]
     for i in range(n):
         history += [Message(Role.USER, f"Tell me fact number {i} about the sea."), Message(Role.ASSISTANT, f"Fact {i}")]
     return history
+
+
+def alice(address: str) -> Client:
+    return Client(address, token=TOKENS["alice"])
 
 
 def reply(client: Client, model: str, history: list[Message]) -> str:
@@ -70,7 +88,7 @@ def reply(client: Client, model: str, history: list[Message]) -> str:
 
 def test_fork_then_diverge(sessions_app: tuple[str, Config]) -> None:
     address, _ = sessions_app
-    with Client(address) as client:
+    with alice(address) as client:
         base = turns(3)
         src = client.model(APP).new_session(settings=GREEDY)
         list(src.generate([*base, Message(Role.USER, "One more?")]))
@@ -88,7 +106,7 @@ def test_fork_then_diverge(sessions_app: tuple[str, Config]) -> None:
 
 def test_edit_turn_one_of_four_and_regenerate(sessions_app: tuple[str, Config]) -> None:
     address, _ = sessions_app
-    with Client(address) as client:
+    with alice(address) as client:
         session = client.model(APP).new_session(settings=GREEDY)
         history = [*turns(4), Message(Role.USER, "And the last one?")]
         list(session.generate(history))
@@ -105,9 +123,10 @@ def test_edit_turn_one_of_four_and_regenerate(sessions_app: tuple[str, Config]) 
             without_last_reply(edited)
 
 
-def test_list_across_two_replicas(server: Server) -> None:
-    with Client(server.address, token=None) as client:
-        model = client.model(DUO)
+def test_list_across_two_replicas(sessions_duo: str) -> None:
+    address = sessions_duo
+    with alice(address) as client, Client(address, token=TOKENS["bob"]) as bob:
+        model = client.model(LIST_APP)
         sessions = [model.new_session(settings=GREEDY) for _ in range(6)]
         replicas = set()
         for i, s in enumerate(sessions):
@@ -119,13 +138,26 @@ def test_list_across_two_replicas(server: Server) -> None:
             assert s.id in listed and listed[s.id].context_tokens > 0
         served = {info.served_by.replica for info in listed.values() if info.served_by}
         assert len(replicas) == 2 and served >= replicas
+        assert not {info.id for info in bob.model(LIST_APP).list_sessions()} & listed.keys()
         for s in sessions:
             s.close()
 
 
+def test_anonymous_callers_share_nothing(server: Server) -> None:
+    """No prefix copy between unrelated anonymous sessions, and nothing to list."""
+    with Client(server.address) as a, Client(server.address) as b:
+        system = [Message(Role.SYSTEM, "A long shared system prompt about harbours. " * 12)]
+        first = a.model(DUO).new_session(settings=GREEDY)
+        list(first.generate([*system, Message(Role.USER, "one")]))
+        other = b.model(DUO).new_session(settings=GREEDY)
+        last = list(other.generate([*system, Message(Role.USER, "two")]))[-1]
+        assert last.usage is not None and last.usage.cached_tokens == 0
+        assert b.model(DUO).list_sessions() == []
+
+
 def test_export_then_import_into_another_deployment(sessions_app: tuple[str, Config]) -> None:
     address, _ = sessions_app
-    with Client(address) as client:
+    with alice(address) as client:
         history = turns(3)
         src = client.model(APP).new_session(settings=GREEDY)
         list(src.generate(history))
@@ -149,7 +181,7 @@ def test_export_then_import_into_another_deployment(sessions_app: tuple[str, Con
 def test_a_restarted_server_resumes_sessions_from_disk(sessions_app: tuple[str, Config]) -> None:
     address, config = sessions_app
     history = [*turns(6), Message(Role.USER, "Summarise all of that.")]
-    with Client(address) as client:
+    with alice(address) as client:
         session = client.model(APP).new_session(settings=GREEDY)
         list(session.generate(history))
         answered = [*history, Message(Role.ASSISTANT, "Done."), Message(Role.USER, "Thanks. And after that?")]

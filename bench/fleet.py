@@ -1,0 +1,121 @@
+#!/usr/bin/env python3
+"""Fleet benchmark: do sessions keep their caches when every replica is replaced?
+
+One run, side by side: a model of 2 replicas serves N sessions one long first turn each;
+then every replica is replaced (``serve.run`` of a changed app: a rolling upgrade, the
+harshest fleet change short of losing a node). Each session's follow-up turn is then timed:
+with hand-over on (leaving replicas send their caches to the next owners, joining ones fetch
+on first use) and off (the follow-up re-prefills its history), against the same-run baseline
+of a hot follow-up with no fleet change.
+
+Run: ``.venv/bin/python bench/fleet.py [--sessions 6] [--json bench/results/fleet.json]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import secrets
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+from hotloop_client import Client, Message, Role, Settings
+from ray import serve
+
+from hotloop_serve.config import Config, config_from_dict
+from hotloop_serve.serve.app import model_app
+from hotloop_serve.serve.probe import free_port, wait_until_serving
+from hotloop_serve.serve.runner import start_server, stop_server
+
+APP = "fleet"
+GREEDY = Settings(temperature=0, sample_len=8, repeat_penalty=1.0)
+
+
+def config(port: int, handover: bool, generation: int) -> Config:
+    return config_from_dict(
+        {
+            "server": {"grpc_port": port, "http_port": free_port()},
+            "telemetry": {"enabled": False},
+            "models": [
+                {
+                    "name": APP,
+                    "replicas": 2,
+                    "engine": {"context_tokens": 8192, "session_context_tokens": 2048, "hot_sessions": 8,
+                               "threads": 1, "seed": generation},
+                    "resources": {"num_cpus": 0.5},
+                    "handover": handover,
+                    "graceful_shutdown_timeout_s": 30,
+                }
+            ],
+        }
+    )  # fmt: skip
+
+
+def history(i: int) -> list[Message]:
+    notes = " ".join(f"Item {j} of list {i} is a {['cat', 'boat', 'tree'][j % 3]}." for j in range(60))
+    return [Message(Role.USER, f"Remember list {i}: {notes}")]
+
+
+def run(address: str, port: int, sessions: int, handover: bool | None) -> dict[str, Any]:
+    """handover None: no fleet change (the hot baseline)."""
+    cfg = config(port, bool(handover), 1)
+    serve.run(model_app(cfg, cfg.models[0], os.environ["HOTLOOP_SESSION_SECRET"]), name=APP, route_prefix=f"/{APP}")
+    with Client(address) as client:
+        ss = [client.model(APP).new_session(settings=GREEDY) for _ in range(sessions)]
+        replies = ["".join(c.text for c in s.generate(history(i))) for i, s in enumerate(ss)]
+        if handover is not None:
+            cfg2 = config(port, handover, 2)
+            serve.run(model_app(cfg2, cfg2.models[0], os.environ["HOTLOOP_SESSION_SECRET"]), name=APP,
+                      route_prefix=f"/{APP}")  # fmt: skip
+        shares, ttft = [], []
+        for i, s in enumerate(ss):
+            follow = [*history(i), Message(Role.ASSISTANT, replies[i]), Message(Role.USER, "Which items are boats?")]
+            last = list(s.generate(follow))[-1]
+            assert last.usage and last.timings
+            shares.append((last.usage.cached_tokens + last.usage.restored_tokens) / last.usage.prompt_tokens)
+            ttft.append(last.timings.time_to_first_token_ms)
+    serve.delete(APP)
+    return {"cached_share": shares, "ttft_ms": ttft}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sessions", type=int, default=6)
+    ap.add_argument("--json", type=Path, default=Path(__file__).parent / "results" / "fleet.json")
+    ns = ap.parse_args()
+    os.environ.setdefault("HOTLOOP_SESSION_SECRET", secrets.token_urlsafe(32))
+    port = free_port()
+    address = f"127.0.0.1:{port}"
+    base = config(port, True, 1)
+    start_server(base, num_cpus=8)
+    results: dict[str, Any] = {}
+    try:
+        wait_until_serving(address, [APP], timeout_s=300)
+        serve.delete(APP)
+        for label, mode in (("hot follow-up, no fleet change", None), ("every replica replaced, hand-over on", True),
+                            ("every replica replaced, hand-over off", False)):  # fmt: skip
+            results[label] = run(address, port, ns.sessions, mode)
+    finally:
+        stop_server()
+    hot = statistics.median(results["hot follow-up, no fleet change"]["ttft_ms"])
+    print(f"\n{ns.sessions} sessions, 2 replicas\n")
+    head = f"| {'event':<40} | {'sessions >= 90% cached':>22} | {'median cached':>13} |"
+    print(head + f" {'median TTFT':>12} | {'vs hot':>7} |")
+    print(f"|{'-' * 42}|{'-' * 24}|{'-' * 15}|{'-' * 14}|{'-' * 9}|")
+    for label, r in results.items():
+        ok = sum(s >= 0.9 for s in r["cached_share"])
+        med = statistics.median(r["ttft_ms"])
+        share = statistics.median(r["cached_share"])
+        print(f"| {label:<40} | {ok:>12} of {len(r['cached_share']):<7} | {share:>12.0%} ", end="")
+        print(f"| {med:>9.0f} ms | {med / hot:>6.2f}x |")
+    ns.json.parent.mkdir(parents=True, exist_ok=True)
+    ns.json.write_text(json.dumps(results, indent=2))
+    print(f"\nwrote {ns.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
