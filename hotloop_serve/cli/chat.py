@@ -500,8 +500,10 @@ class Chat:
             table.add_column(column)
         listed = self.model.list_sessions()
         if not listed:
-            # Listing is per principal; a server without auth may show an anonymous caller none.
-            self.console.print("the server lists no sessions of yours", style="dim")
+            # Listing is per principal; each anonymous session is its own tenant, listed to no one.
+            self.console.print(
+                "the server lists no sessions of yours (without auth, anonymous callers are shown none)", style="dim"
+            )
             return
         for info in listed:
             n = mine.get(info.id)
