@@ -188,15 +188,16 @@ def layouts(path: Path, tokens: int, threads: int) -> list[dict[str, Any]]:
             res = [s.result() for s in streams]
             total = sum(r.usage.completion_tokens - 1 for r in res if r.usage)
             speed = total / (max(r.timings.decode_ms for r in res if r.timings) / 1e3)
+            while e.stats().active_requests:
+                time.sleep(0.01)
             ctx_tokens = e.session_info("l0", "bench").context_tokens
-            e.generate("evict-probe", "other", [ChatMessage("user", "x")], greedy.merged(sample_len=1)).result()
+            blob_bytes = len(e.export_session("l0", "bench"))  # tokens + llama.cpp's state of the sequence
             texts = [r.text for r in res]
-            kv_mib = e.kv.memory.save(e.kv.hot[min(e.kv.hot)].seq) if e.kv.hot else None  # type: ignore[arg-type]
         if not reference:
             reference, base = texts, speed
         agree = sum(a == b for a, b in zip(texts, reference, strict=True)) / len(texts)
         rows.append(row(f"0c. {label}", speed, "tok/s", base if base != speed else None))
-        size = len(kv_mib) / 2**20 if kv_mib is not None else 0.0
+        size = blob_bytes / 2**20
         print(f"|   {'  KV MiB/session at ' + str(ctx_tokens) + ' tok; replies equal to default':<50} | "
               f"{size:>8.1f} MiB  | {agree:>6.0%}  |          |")  # fmt: skip
     return rows

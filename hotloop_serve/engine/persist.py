@@ -189,18 +189,32 @@ class DiskStore:
         with self._lock:
             self._path(session_id).unlink(missing_ok=True)
 
+    def _files(self) -> list[tuple[Path, os.stat_result]]:
+        """Complete session files with their stats. Temporary files (another replica's write in
+        progress, when replicas share the directory) are not counted, and a file removed
+        meanwhile is skipped."""
+        found = []
+        for f in self.dir.glob("*.session"):
+            if f.name.startswith("."):
+                continue
+            try:
+                found.append((f, f.stat()))
+            except FileNotFoundError:
+                continue
+        return found
+
     def usage(self) -> tuple[int, int]:
         """(files, bytes) on disk."""
-        files = list(self.dir.glob("*.session"))
-        return len(files), sum(f.stat().st_size for f in files)
+        files = self._files()
+        return len(files), sum(st.st_size for _, st in files)
 
     def _enforce_budget(self, keep: Path) -> None:
-        files = sorted(self.dir.glob("*.session"), key=lambda f: f.stat().st_mtime)
-        total = sum(f.stat().st_size for f in files)
-        for f in files:
+        files = sorted(self._files(), key=lambda item: item[1].st_mtime)
+        total = sum(st.st_size for _, st in files)
+        for f, st in files:
             if total <= self.budget:
                 break
             if f == keep:
                 continue
-            total -= f.stat().st_size
+            total -= st.st_size
             f.unlink(missing_ok=True)

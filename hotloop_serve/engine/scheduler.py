@@ -13,8 +13,9 @@ Rules, in order of precedence:
   runs it is admitted anyway (a session always fits an empty pool).
 - **Batch** (:func:`plan_batch`): every decoding request gets exactly one token; prefill
   takes what is left, shortest remaining prompt first (a short hot follow-up never waits
-  behind a long cold prompt), in bounded chunks while others decode so their streams keep
-  flowing.
+  behind a long cold prompt), at most ``prefill_chunk`` tokens per prompt and per step
+  whenever another request shares the engine (so a step stays short for whoever waits on it;
+  several long prompts still fill the batch together). A prompt alone takes the whole batch.
 - **Memory pressure**: before a step, room for its new tokens is made by evicting idle
   sessions (LRU), then by pre-empting running requests, newest first: their KV goes to host
   RAM and they resume exactly where they were. Nobody fails because others grew.
@@ -74,6 +75,7 @@ def plan_batch(
         key=lambda i: (active[i].prefill_remaining, i),
     )
     prefill: list[tuple[int, int]] = []
+    contended = len(active) > 1
     for i in waiting:
         if budget <= 0:
             break
@@ -82,6 +84,8 @@ def plan_batch(
         if lone_last_token and n > 1 and r.needs_logits:
             n -= 1
         take = min(n, budget)
+        if contended:
+            take = min(take, prefill_chunk)  # a long prompt never fills a step others are waiting on
         prefill.append((i, take))
         budget -= take
     return BatchPlan(decode, tuple(prefill))

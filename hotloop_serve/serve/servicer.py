@@ -312,7 +312,9 @@ class ModelServicer:
         source = await self._here(request.session_id, principal)
         if not self.engine.known(source):
             raise NotFound(f"session {request.session_id!r} has no cache on this server (it was never used)")
-        keep = convert.messages_from_proto(request.messages, self.model.limits.max_messages) or None
+        keep = (
+            convert.messages_from_proto(request.messages, self.model.limits.max_messages) if request.messages else None
+        )
         settings = (
             convert.settings_from_proto(
                 request.settings, self.engine.settings_of(source, self._tenant(principal, source))
@@ -392,6 +394,10 @@ class ModelServicer:
         buf, _ = self._imports.get(slot, (bytearray(), now))
         if request.offset == 0:
             buf = bytearray()
+        end = request.offset + len(request.data)
+        if 0 < end <= len(buf) and buf[request.offset : end] == request.data:
+            # A part sent again after a failover (the first attempt arrived): acknowledge it.
+            return spb.Session(model=self.model.name, state="importing", context_tokens=0)
         if request.offset != len(buf):
             self._imports.pop(slot, None)
             raise InvalidArgument(

@@ -95,6 +95,9 @@ def test_fork_then_diverge(sessions_app: tuple[str, Config]) -> None:
         fork = src.fork(base)  # the cache up to the end of turn 3
         kept = fork.context()
         assert 0 < kept < src.context()
+        whole = src.fork()  # no history: all of the cache
+        assert whole.context() == src.context()
+        whole.close()
         left = [*base, Message(Role.USER, "Now about rivers.")]
         right = [*base, Message(Role.USER, "Now about mountains.")]
         a = list(src.generate(left))

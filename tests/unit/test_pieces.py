@@ -35,16 +35,20 @@ def test_decoders_get_one_token_each_and_prefill_is_chunked_beside_them() -> Non
 
 def test_a_short_prompt_never_waits_behind_a_long_one() -> None:
     plan = plan_batch([R(False, 4000, True), R(False, 30, True)], batch_tokens=512, prefill_chunk=128)
-    assert plan.prefill == ((1, 29), (0, 483))
+    assert plan.prefill == ((1, 29), (0, 128))
 
 
 def test_without_batch_invariance_the_last_prompt_token_rides_with_the_prompt() -> None:
     assert plan_batch([R(False, 20, True)], 512, 128, lone_last_token=False).prefill == ((0, 20),)
 
 
-def test_prefill_alone_uses_the_whole_batch_in_arrival_order() -> None:
-    plan = plan_batch([R(False, 300), R(False, 300)], batch_tokens=512, prefill_chunk=128)
-    assert plan.prefill == ((0, 300), (1, 212))
+def test_a_prompt_alone_uses_the_whole_batch() -> None:
+    assert plan_batch([R(False, 600)], batch_tokens=512, prefill_chunk=128).prefill == ((0, 512),)
+
+
+def test_several_long_prompts_share_the_batch_in_chunks_in_arrival_order() -> None:
+    plan = plan_batch([R(False, 300)] * 5, batch_tokens=512, prefill_chunk=128)
+    assert plan.prefill == ((0, 128), (1, 128), (2, 128), (3, 128))
 
 
 def test_the_last_prompt_token_of_a_reply_is_decoded_alone() -> None:
