@@ -137,7 +137,7 @@ class Engine:
         self._writer = concurrent.futures.ThreadPoolExecutor(1, "hotloop-persist") if self.disk else None
         self._ctx = self._create_context(opts)
         self._batch = ll.llama_batch_init(opts.batch_tokens, 0, 1)
-        memory = LlamaKVMemory(self._ctx, self.model.ptr, probe_token=self.model.bos)
+        memory = self._memory = LlamaKVMemory(self._ctx, self.model.ptr, probe_token=self.model.bos)
         self.kv = KVManager(
             memory,
             sequences=opts.hot_sessions,
@@ -562,6 +562,8 @@ class Engine:
 
     def _run(self) -> None:
         try:
+            # Every llama_decode runs on this thread, the calibration's too (see LlamaKVMemory.calibrate).
+            self._memory.calibrate()
             while True:
                 with self._lock:
                     while not (self._stopping or self._has_work()):
