@@ -31,9 +31,7 @@ def schema_to_grammar(schema: str) -> str:
     except json.JSONDecodeError as e:
         raise InvalidArgument(f"json_schema is not valid JSON: {e}") from e
     if not isinstance(parsed, dict):
-        raise InvalidArgument(
-            f"json_schema must be a JSON object (a schema), got {type(parsed).__name__}"
-        )
+        raise InvalidArgument(f"json_schema must be a JSON object (a schema), got {type(parsed).__name__}")
     try:
         return str(json_schema_to_gbnf(json.dumps(parsed)))
     except RecursionError as e:
