@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import os
 import secrets
 import time
 import urllib.error
@@ -20,14 +19,15 @@ from dataclasses import dataclass
 import jsonschema
 import openai
 import pytest
-from conftest import free_port
 from hotloop_client import Client, InvalidArgument, Message, Role, Settings
 
 from hotloop_serve.config import Config, config_from_dict
 
+from .conftest import Server
+
 pytestmark = pytest.mark.integration
 
-MODEL = "gemma-3-270m"
+MODEL = "gemma-openai"
 OTHER = "gemma-other"
 ALICE = "alice-" + secrets.token_urlsafe(16)
 BOB = "bob-" + secrets.token_urlsafe(16)
@@ -47,35 +47,38 @@ class Http:
 
 
 @pytest.fixture(scope="module")
-def http() -> Iterator[Http]:
-    from hotloop_serve.serve.runner import start_server, stop_server, wait_until_serving
+def http(server: Server) -> Iterator[Http]:
+    """Two applications of their own (auth on) on the shared server: its gRPC and HTTP proxies."""
+    from ray import serve
 
-    grpc_port, http_port = free_port(), free_port()
+    from hotloop_serve.serve.app import model_app, session_secret
+    from hotloop_serve.serve.probe import wait_until_serving
+
     engine = {"context_tokens": 8192, "session_context_tokens": 4096, "hot_sessions": 4, "threads": 1}
-    config = config_from_dict(
+    doc = server.config.model_dump(mode="json")
+    doc["auth"] = {"tokens": {"alice": ALICE, "bob": BOB}}
+    doc["models"] = [
         {
-            "server": {"grpc_port": grpc_port, "http_port": http_port},
-            "auth": {"tokens": {"alice": ALICE, "bob": BOB}},
-            "telemetry": {"enabled": False},
-            "models": [
-                {
-                    "name": MODEL,
-                    "replicas": 2,
-                    "engine": engine,
-                    "resources": {"num_cpus": 1},
-                    "limits": {"max_request_bytes": MAX_BODY},
-                },
-                {"name": OTHER, "engine": engine, "resources": {"num_cpus": 1}},
-            ],
-        }
-    )
-    os.environ.setdefault("HOTLOOP_SESSION_SECRET", secrets.token_urlsafe(32))
+            "name": MODEL,
+            "replicas": 2,
+            "engine": engine,
+            "resources": {"num_cpus": 0.5},
+            "limits": {"max_request_bytes": MAX_BODY},
+        },
+        {"name": OTHER, "engine": engine, "resources": {"num_cpus": 0.5}},
+    ]
+    config = config_from_dict(doc)
+    secret = session_secret(config)
     try:
-        start_server(config, num_cpus=4)
-        wait_until_serving(f"127.0.0.1:{grpc_port}", [MODEL, OTHER], timeout_s=300)
-        yield Http(f"http://127.0.0.1:{http_port}/{MODEL}/v1", f"127.0.0.1:{grpc_port}", config)
+        for m in config.models:
+            serve.run(model_app(config, m, secret), name=m.name, route_prefix=f"/{m.name}")
+        wait_until_serving(server.address, [MODEL, OTHER], timeout_s=300)
+        http_port = config.server.http_port
+        yield Http(f"http://127.0.0.1:{http_port}/{MODEL}/v1", server.address, config)
     finally:
-        stop_server()
+        for name in (MODEL, OTHER):
+            if serve.status().applications.get(name) is not None:
+                serve.delete(name)
 
 
 @pytest.fixture
@@ -146,7 +149,11 @@ def _four_turns(client: openai.OpenAI, headers: dict[str, str] | None = None) ->
     seen = []
     for turn in range(4):
         reply = client.chat.completions.create(
-            model=MODEL, messages=messages, max_tokens=24, temperature=0, extra_headers=headers  # type: ignore[arg-type]
+            model=MODEL,
+            messages=messages,
+            max_tokens=24,
+            temperature=0,
+            extra_headers=headers,  # type: ignore[arg-type]
         )
         usage = reply.usage
         assert usage is not None and usage.prompt_tokens_details is not None
@@ -193,11 +200,15 @@ def test_a_client_leaving_cancels_its_turn(http: Http, stream: bool) -> None:
 
     ask = [{"role": "user", "content": "Write a very long essay about rivers."}]
     # A grammar that cannot end before 1500 characters: the turn runs until cancelled.
-    long_turn = {"grammar": 'root ::= [a-z ]{1500,1600}'}
+    long_turn = {"grammar": "root ::= [a-z ]{1500,1600}"}
     with openai.OpenAI(base_url=http.base_url, api_key=ALICE, max_retries=0, timeout=3) as client:
         if stream:
             events = client.chat.completions.create(
-                model=MODEL, messages=ask, max_tokens=2000, stream=True, extra_body=long_turn  # type: ignore[arg-type]
+                model=MODEL,
+                messages=ask,
+                max_tokens=2000,
+                stream=True,
+                extra_body=long_turn,  # type: ignore[arg-type]
             )
             for i, _ in enumerate(events):
                 if i == 3:
