@@ -651,6 +651,26 @@ def test_otel_environment() -> None:
 
 
 @needs_helm
+def test_the_proxy_message_limit_follows_the_largest_request_limit(tmp_path: Path) -> None:
+    from hotloop_serve.config import config_from_dict
+    from hotloop_serve.serve.app import proxy_message_limit
+
+    for name, _, tmpl in pod_templates(rayservice("default")):
+        env = env_of(tmpl["spec"]["containers"][0])
+        assert env["RAY_SERVE_GRPC_MAX_MESSAGE_SIZE"]["value"] == str(4194304 + 65536), name
+    models = [
+        {"name": "a", "limits": {"max_request_bytes": 1 << 20}},
+        {"name": "b", "limits": {"max_request_bytes": 16 << 20}},
+    ]
+    result = render_values({"hotloop": {"models": models}}, tmp_path)
+    assert result.returncode == 0, result.stderr
+    (rs,) = [d for d in yaml.safe_load_all(result.stdout) if d and d["kind"] == "RayService"]
+    head = rs["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]["spec"]["containers"][0]
+    expected = proxy_message_limit(config_from_dict({"models": models}))
+    assert env_of(head)["RAY_SERVE_GRPC_MAX_MESSAGE_SIZE"]["value"] == str(expected)
+
+
+@needs_helm
 def test_pod_disruption_budget_selects_the_workers() -> None:
     (pdb,) = docs_of(render("default"), "PodDisruptionBudget")
     selector = pdb["spec"]["selector"]["matchLabels"]

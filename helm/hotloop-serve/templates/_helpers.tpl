@@ -401,6 +401,16 @@ Container resources of a worker group: the group's own `resources`, or sized fro
     secretKeyRef:
       name: {{ include "hotloop-serve.sessionSecretName" . }}
       key: {{ .Values.auth.sessionSecret.key }}
+{{- /* Ray's gRPC proxy reads its message limit once, at start: the largest request any model
+accepts (limits.max_request_bytes, 4 MiB by default) plus 64 KiB, so the replica names the limit
+(hotloop_serve/serve/app.py proxy_message_limit). */}}
+{{- $largest := 4194304 }}
+{{- range (.Values.hotloop.models | default list) }}
+{{- $limit := (dig "limits" "max_request_bytes" 4194304 .) | int }}
+{{- if gt $limit $largest }}{{ $largest = $limit }}{{ end }}
+{{- end }}
+- name: RAY_SERVE_GRPC_MAX_MESSAGE_SIZE
+  value: {{ add $largest 65536 | quote }}
 {{- with .Values.otel }}
 {{- if .endpoint }}
 - name: OTEL_EXPORTER_OTLP_ENDPOINT
