@@ -1,0 +1,217 @@
+#!/usr/bin/env python3
+"""The whole stack, layer by layer, in one run: where the engine's tokens/s go on their way out.
+
+Rows, each at 1 and 8 concurrent sessions, identical settings (greedy, no repeat penalty,
+fixed 64-token replies, prompts prefilled first so every row measures decoding):
+
+1. the primitive: llama.cpp's low-level batched loop (its own process; ``bench/engine.py``)
+2. the engine in-process (``Engine``)
+3. the servicer in-process (``ModelServicer.Generate``, asyncio, no Ray, no gRPC)
+4. the full stack: Python SDK (asyncio) -> Ray Serve's gRPC proxy -> replica -> engine
+
+with the ratio of each to the engine, and for the full stack the CPU time each process
+spent per generated token (client, Ray's proxy actor, the replica, the rest of Ray), from
+psutil. Decode tokens/s are counted from each stream's first to its last chunk.
+
+Run: ``.venv/bin/python bench/stack.py [--tokens 64] [--json bench/results/stack.json]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import secrets
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from engine import FIXED_PROMPT, fixed_run, primitive_isolated
+
+from hotloop_serve.engine import Engine, EngineOptions, SamplingSettings
+from hotloop_serve.serve.model_source import embedded_model_path
+
+WIDTHS = (1, 8)
+ROWS: list[dict[str, Any]] = []
+
+
+def row(name: str, value: float, unit: str, base: float | None = None) -> None:
+    ratio = f"{value / base:.2f}x" if base else ""
+    print(f"| {name:<58} | {value:>9.2f} {unit:<6} | {ratio:>7} |")
+    ROWS.append({"name": name, "value": value, "unit": unit, "ratio": value / base if base else None})
+
+
+def decode_rate(streams: list[tuple[float, float, int]]) -> float:
+    """Aggregate tokens/s from (first chunk time, last chunk time, tokens) per stream."""
+    first = min(s[0] for s in streams)
+    last = max(s[1] for s in streams)
+    return sum(max(0, n - 1) for _, _, n in streams) / max(last - first, 1e-9)
+
+
+def servicer_rate(path: Path, n: int, tokens: int, threads: int) -> float:
+    from hotloop.v1 import common_pb2, session_pb2
+
+    from hotloop_serve.config import Config
+    from hotloop_serve.serve.auth import Authenticator
+    from hotloop_serve.serve.servicer import ModelServicer
+    from hotloop_serve.serve.session_ids import SessionIds
+    from hotloop_serve.telemetry import Telemetry
+
+    config = Config()
+    with Engine(str(path), EngineOptions(threads=threads, context_tokens=16384)) as e:
+        svc = ModelServicer(
+            config, config.models[0], e, SessionIds(b"k", "m"), Authenticator({}), Telemetry("m", "r", e.stats)
+        )
+
+        async def one(i: int) -> tuple[float, float, int]:
+            sess = await svc.CreateSession(
+                session_pb2.CreateSessionRequest(session_key=f"bench-{i:04d}-{time.time_ns()}")
+            )
+            msgs = [common_pb2.Message(role=common_pb2.ROLE_USER, content=f"{FIXED_PROMPT} (list {i})")]
+            await svc.Warmup(session_pb2.WarmupRequest(session_id=sess.id, messages=msgs))
+            req = session_pb2.GenerateRequest(
+                session_id=sess.id,
+                messages=msgs,
+                settings={"temperature": 0, "sample_len": tokens, "repeat_penalty": 1.0},
+            )
+            first = last = 0.0
+            count = 0
+            async for chunk in svc.Generate(req):
+                last = time.perf_counter()
+                first = first or last
+                count = chunk.usage.completion_tokens or count
+            return first, last, count
+
+        async def all_of() -> list[tuple[float, float, int]]:
+            return list(await asyncio.gather(*(one(i) for i in range(n))))
+
+        return decode_rate(asyncio.run(all_of()))
+
+
+def ray_processes() -> dict[str, list[psutil.Process]]:
+    groups: dict[str, list[psutil.Process]] = {"proxy": [], "replica": [], "ray (other)": []}
+    for p in psutil.process_iter(["cmdline"]):
+        cmd = " ".join(p.info["cmdline"] or [])
+        if "ProxyActor" in cmd:
+            groups["proxy"].append(p)
+        elif "ServeReplica" in cmd:
+            groups["replica"].append(p)
+        elif "ray" in cmd and p.pid != os.getpid() and ("raylet" in cmd or "gcs_server" in cmd or "ray::" in cmd):
+            groups["ray (other)"].append(p)
+    return groups
+
+
+def cpu_seconds(procs: list[psutil.Process]) -> float:
+    total = 0.0
+    for p in procs:
+        try:
+            t = p.cpu_times()
+            total += t.user + t.system
+        except psutil.Error:
+            continue
+    return total
+
+
+def stack_rates(tokens: int, threads: int) -> dict[int, tuple[float, dict[str, float]]]:
+    from hotloop_client import AsyncClient, Message, Role, Settings
+
+    from hotloop_serve.config import config_from_dict
+    from hotloop_serve.serve.probe import free_port, wait_until_serving
+    from hotloop_serve.serve.runner import start_server, stop_server
+
+    os.environ.setdefault("HOTLOOP_SESSION_SECRET", secrets.token_urlsafe(32))
+    port = free_port()
+    engine = {"context_tokens": 16384, "hot_sessions": 8, "threads": threads}
+    config = config_from_dict(
+        {
+            "server": {"grpc_port": port, "http_port": free_port()},
+            "telemetry": {"enabled": False},
+            "models": [{"name": "stack", "engine": engine, "resources": {"num_cpus": 1}}],
+        }
+    )
+    results: dict[int, tuple[float, dict[str, float]]] = {}
+    start_server(config, num_cpus=4)
+    try:
+        address = f"127.0.0.1:{port}"
+        wait_until_serving(address, ["stack"], timeout_s=300)
+        settings = Settings(temperature=0, sample_len=tokens, repeat_penalty=1.0)
+        me = psutil.Process()
+
+        async def run(n: int) -> tuple[float, dict[str, float]]:
+            async with AsyncClient(address) as client:
+                model = client.model("stack")
+                sessions = [await model.new_session(settings=settings) for _ in range(n)]
+                histories = [[Message(Role.USER, f"{FIXED_PROMPT} (list {i})")] for i in range(n)]
+                for s, h in zip(sessions, histories, strict=True):
+                    await s.warmup(h)
+                groups = ray_processes()
+                before = {k: cpu_seconds(v) for k, v in groups.items()}
+                mine = me.cpu_times()
+
+                async def one(i: int) -> tuple[float, float, int]:
+                    first = last = 0.0
+                    count = 0
+                    async for chunk in sessions[i].generate(histories[i]):
+                        last = time.perf_counter()
+                        first = first or last
+                        if chunk.usage is not None:
+                            count = chunk.usage.completion_tokens
+                    return first, last, count
+
+                streams = list(await asyncio.gather(*(one(i) for i in range(n))))
+                after = {k: cpu_seconds(v) for k, v in groups.items()}
+                mine_after = me.cpu_times()
+                generated = sum(c for _, _, c in streams)
+                cpu = {k: (after[k] - before[k]) * 1e3 / generated for k in groups}
+                cpu["client (this process)"] = (
+                    (mine_after.user + mine_after.system - mine.user - mine.system) * 1e3 / generated
+                )
+                for s in sessions:
+                    await s.close()
+                return decode_rate(streams), cpu
+
+        for n in WIDTHS:
+            results[n] = asyncio.run(run(n))
+    finally:
+        stop_server()
+    return results
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--json", type=Path, default=Path(__file__).parent / "results" / "stack.json")
+    ns = ap.parse_args()
+    path = embedded_model_path(progress=True)
+    greedy = SamplingSettings(temperature=0, sample_len=ns.tokens, repeat_penalty=1.0)
+    print(f"model {path.name}, {ns.threads} threads, {ns.tokens}-token replies\n")
+    print(f"| {'layer':<58} | {'value':>16} | {'vs eng':>7} |")
+    print(f"|{'-' * 60}|{'-' * 18}|{'-' * 9}|")
+    engine: dict[int, float] = {}
+    for n in WIDTHS:
+        prim = primitive_isolated(ns.tokens, ns.threads, n)
+        with Engine(str(path), EngineOptions(threads=ns.threads, context_tokens=16384)) as e:
+            engine[n], _ = fixed_run(e, n, ns.tokens, greedy, "stack")
+        row(f"1. primitive batched loop, {n} seq", prim, "tok/s", engine[n])
+        row(f"2. engine, {n} sessions (baseline)", engine[n], "tok/s")
+        row(f"3. servicer in-process, {n} sessions", servicer_rate(path, n, ns.tokens, ns.threads), "tok/s", engine[n])
+    for n, (rate, cpu) in stack_rates(ns.tokens, ns.threads).items():
+        row(f"4. full stack (SDK -> proxy -> replica), {n} sessions", rate, "tok/s", engine[n])
+        for who, ms in cpu.items():
+            print(f"|   {'CPU ms per token: ' + who:<56} | {ms:>9.2f} ms     |         |")
+            ROWS.append({"name": f"cpu {n} {who}", "value": ms, "unit": "ms/token"})
+    ns.json.parent.mkdir(parents=True, exist_ok=True)
+    ns.json.write_text(json.dumps({"threads": ns.threads, "tokens": ns.tokens, "rows": ROWS}, indent=2))
+    print(f"\nwrote {ns.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
