@@ -118,7 +118,7 @@ def cpu_seconds(procs: list[psutil.Process]) -> float:
     return total
 
 
-def stack_rates(tokens: int, threads: int) -> dict[int, tuple[float, dict[str, float]]]:
+def stack_rates(tokens: int, threads: int, coalesce_ms: float = 0.0) -> dict[int, tuple[float, dict[str, float]]]:
     from hotloop_client import AsyncClient, Message, Role, Settings
 
     from hotloop_serve.config import config_from_dict
@@ -130,7 +130,7 @@ def stack_rates(tokens: int, threads: int) -> dict[int, tuple[float, dict[str, f
     engine = {"context_tokens": 16384, "hot_sessions": 8, "threads": threads}
     config = config_from_dict(
         {
-            "server": {"grpc_port": port, "http_port": free_port()},
+            "server": {"grpc_port": port, "http_port": free_port(), "stream_coalesce_ms": coalesce_ms},
             "telemetry": {"enabled": False},
             "models": [{"name": "stack", "engine": engine, "resources": {"num_cpus": 1}}],
         }
@@ -187,6 +187,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--coalesce-ms", type=float, nargs="*", default=[0.0], help="server.stream_coalesce_ms values")
     ap.add_argument("--json", type=Path, default=Path(__file__).parent / "results" / "stack.json")
     ns = ap.parse_args()
     path = embedded_model_path(progress=True)
@@ -202,11 +203,12 @@ def main() -> int:
         row(f"1. primitive batched loop, {n} seq", prim, "tok/s", engine[n])
         row(f"2. engine, {n} sessions (baseline)", engine[n], "tok/s")
         row(f"3. servicer in-process, {n} sessions", servicer_rate(path, n, ns.tokens, ns.threads), "tok/s", engine[n])
-    for n, (rate, cpu) in stack_rates(ns.tokens, ns.threads).items():
-        row(f"4. full stack (SDK -> proxy -> replica), {n} sessions", rate, "tok/s", engine[n])
-        for who, ms in cpu.items():
-            print(f"|   {'CPU ms per token: ' + who:<56} | {ms:>9.2f} ms     |         |")
-            ROWS.append({"name": f"cpu {n} {who}", "value": ms, "unit": "ms/token"})
+    for coalesce in ns.coalesce_ms:
+        for n, (rate, cpu) in stack_rates(ns.tokens, ns.threads, coalesce).items():
+            row(f"4. full stack, {n} sessions, coalesce {coalesce:g} ms", rate, "tok/s", engine[n])
+            for who, ms in cpu.items():
+                print(f"|   {'CPU ms per token: ' + who:<56} | {ms:>9.2f} ms     |         |")
+                ROWS.append({"name": f"cpu {n} {coalesce:g} {who}", "value": ms, "unit": "ms/token"})
     ns.json.parent.mkdir(parents=True, exist_ok=True)
     ns.json.write_text(json.dumps({"threads": ns.threads, "tokens": ns.tokens, "rows": ROWS}, indent=2))
     print(f"\nwrote {ns.json}")

@@ -151,6 +151,9 @@ class ServerConfig(_Strict):
     http_port: Annotated[int, Field(ge=1, le=65535)] = 8000
     host: str = "127.0.0.1"
     request_timeout_s: Annotated[float, Field(gt=0)] | None = None
+    stream_coalesce_ms: Annotated[float, Field(ge=0, le=1000)] = 0.0
+    """After each streamed chunk, wait this long so the tokens decoded meanwhile go out as one
+    chunk (fewer messages through Ray's proxy per token; the first chunk is never delayed)."""
 
 
 class TelemetryConfig(_Strict):

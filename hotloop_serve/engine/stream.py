@@ -142,7 +142,13 @@ class RequestStream:
         finally:
             self.cancel()
 
-    async def __aiter__(self) -> AsyncIterator[Chunk]:
+    def __aiter__(self) -> AsyncIterator[Chunk]:
+        return self.chunks()
+
+    async def chunks(self, coalesce_s: float = 0.0) -> AsyncIterator[Chunk]:
+        """The chunks, read on an event loop. ``coalesce_s`` > 0: after a chunk, wait that long
+        before the next read, so the tokens decoded meanwhile travel as one chunk (fewer messages
+        through the RPC layers per token); the first chunk and errors are never delayed."""
         event = asyncio.Event()
         with self._cond:
             self._loop, self._event = asyncio.get_running_loop(), event
@@ -164,6 +170,8 @@ class RequestStream:
                 yield item
                 if item.final:
                     return
+                if coalesce_s > 0:
+                    await asyncio.sleep(coalesce_s)
         finally:
             self.cancel()
 

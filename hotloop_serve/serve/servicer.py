@@ -468,7 +468,7 @@ class ModelServicer:
                 owner = self._tenant(principal, sid)
                 stream = await _submit(functools.partial(self.engine.generate, sid, owner, messages, settings))
                 first = True
-                async for chunk in stream:
+                async for chunk in stream.chunks(self.config.server.stream_coalesce_ms / 1e3):
                     if first:
                         self.telemetry.first_token(span, time.perf_counter() - t0)
                         first = False
