@@ -656,8 +656,8 @@ class Engine:
         req.transition(state)
         if error is not None:
             req.stream.put(error)
-        elif state is RequestState.FINISHED and req.kind is RequestKind.WARMUP:
-            self._send_final(req, "eos")  # a reply's final chunk was sent by _finish
+        elif state is RequestState.FINISHED:
+            self._send_final(req, "eos")
 
     def _end_session_request(self, s: Session, why: str) -> None:
         """End whatever request holds ``s`` (clear or close); a finished reply's tail is not cached."""
