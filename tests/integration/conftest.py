@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import os
 import secrets
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 import pytest
 from conftest import free_port
-from hotloop_client import Client
+from hotloop_client import Client, Message, Role, Settings
 
 from hotloop_serve.config import Config, config_from_dict
 
@@ -42,6 +43,30 @@ def integration_config(port: int) -> Config:
     )
 
 
+def wait_until_every_replica_serves(address: str, model: str, replicas: int, timeout_s: float) -> None:
+    """Block until each of ``model``'s replicas both owns a new session and serves its turn.
+
+    The health check proves one replica answers; right after start the proxy's router may not
+    know the others yet, or may find one too busy finishing its start to take a turn (Generate
+    then spills to the next-ranked replica). Tests of routing need the whole fleet routable.
+    """
+    seen: set[int] = set()
+    deadline = time.monotonic() + timeout_s
+    with Client(address) as c:
+        m = c.model(model)
+        while len(seen) < replicas:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{model}: only ranks {sorted(seen)} of {replicas} served a turn in {timeout_s:.0f} s")
+            with m.new_session(settings=Settings(temperature=0, sample_len=1)) as s:
+                final = list(s.generate([Message(Role.USER, "Hi")]))[-1]
+                owner = s.info().served_by
+                assert final.served_by is not None and owner is not None
+                if final.served_by.replica_rank == owner.replica_rank:
+                    seen.add(owner.replica_rank)
+                else:
+                    time.sleep(0.5)
+
+
 @pytest.fixture(scope="session")
 def server() -> Iterator[Server]:
     from hotloop_serve.serve.runner import start_server, stop_server, wait_until_serving
@@ -54,6 +79,7 @@ def server() -> Iterator[Server]:
     try:
         start_server(config, num_cpus=8)
         wait_until_serving(address, [m.name for m in config.models], timeout_s=300)
+        wait_until_every_replica_serves(address, DUO, replicas=2, timeout_s=180)
         yield Server(address, config)
     finally:
         stop_server()

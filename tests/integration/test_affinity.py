@@ -11,7 +11,7 @@ import ray
 from hotloop.v1 import session_pb2, session_pb2_grpc
 from hotloop_client import Chunk, Client, Message, Role, Session, Settings, TurnInterrupted
 
-from .conftest import DUO, Server
+from .conftest import DUO, Server, wait_until_every_replica_serves
 
 pytestmark = pytest.mark.integration
 SETTINGS = Settings(temperature=0, sample_len=12)
@@ -93,15 +93,19 @@ def replica_actors() -> list[str]:
     return [a["name"] for a in named if a["name"].startswith(f"SERVE_REPLICA::{DUO}#")]
 
 
-def wait_for_replicas(n: int, timeout: float = 120) -> None:
-    """Until Serve reports ``n`` RUNNING replicas, plus a moment for the proxies to hear of it."""
+def wait_for_replicas(address: str, n: int, timeout: float = 120) -> None:
+    """Until Serve reports ``n`` RUNNING replicas and each of them owns and serves a turn.
+
+    Serve calls a replacement RUNNING before the proxy's router has heard of it or it answers
+    the router's queue probes in time; a turn sent then runs on the next-ranked replica.
+    """
     from ray import serve
 
     deadline = time.monotonic() + timeout
     while serve.status().applications[DUO].deployments[DUO].replica_states.get("RUNNING", 0) < n:
         assert time.monotonic() < deadline, "replica was not replaced"
         time.sleep(0.5)
-    time.sleep(3)
+    wait_until_every_replica_serves(address, DUO, replicas=n, timeout_s=timeout)
 
 
 def test_killing_a_replica_loses_no_turn(client: Client) -> None:
@@ -116,7 +120,7 @@ def test_killing_a_replica_loses_no_turn(client: Client) -> None:
         final = turn(s, h, "Tell me more.")
         assert final.usage is not None and final.usage.completion_tokens > 0
     assert all(len(h) == 4 for h in histories)  # two user turns + two replies each: none lost or doubled
-    wait_for_replicas(2)
+    wait_for_replicas(client.address, 2)
     for s, h, first in zip(sessions, histories, firsts, strict=True):
         # The replacement inherits the dead replica's rank and takes back exactly its sessions
         # (rebuilding their caches from history once); the others stay where they were.
@@ -128,7 +132,7 @@ def test_killing_a_replica_loses_no_turn(client: Client) -> None:
 
 
 def test_replica_killed_mid_stream(client: Client) -> None:
-    wait_for_replicas(2)
+    wait_for_replicas(client.address, 2)
     session = client.model(DUO).new_session(settings=Settings(temperature=0, sample_len=200))
     history = [Message(Role.USER, "Write a very long story about a lighthouse keeper.")]
     received: list[str] = []
@@ -153,4 +157,4 @@ def test_replica_killed_mid_stream(client: Client) -> None:
     # The caller's history is unchanged; retrying the turn works (on the next-ranked replica).
     final = list(session.generate(history, sample_len=8))[-1]
     assert final.usage is not None and final.usage.completion_tokens > 0
-    wait_for_replicas(2)
+    wait_for_replicas(client.address, 2)
