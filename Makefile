@@ -11,6 +11,7 @@ lint: setup  ## generated stubs and sync client fresh, ruff, mypy
 	.venv/bin/python scripts/gen_protos.py --check
 	.venv/bin/python scripts/gen_sync_client.py --check
 	.venv/bin/ruff check hotloop_serve clients/python/hotloop_client tests bench scripts
+	.venv/bin/ruff format --check hotloop_serve clients/python/hotloop_client tests bench scripts
 	.venv/bin/mypy
 
 test: lint  ## everything: lint, Helm chart offline checks, Python tests (unit + integration), TypeScript client

@@ -139,7 +139,11 @@ def overhead(grpc_address: str, base_url: str, reps: int, tokens: int) -> dict[s
 
             t0 = time.perf_counter()
             stream = oa.chat.completions.create(
-                model=MODEL, messages=ask, max_tokens=tokens, temperature=0, stream=True,
+                model=MODEL,
+                messages=ask,
+                max_tokens=tokens,
+                temperature=0,
+                stream=True,
                 stream_options={"include_usage": True},
             )
             events = list(stream)

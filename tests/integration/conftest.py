@@ -56,7 +56,8 @@ def wait_until_every_replica_serves(address: str, model: str, replicas: int, tim
         m = c.model(model)
         while len(seen) < replicas:
             if time.monotonic() > deadline:
-                raise TimeoutError(f"{model}: only ranks {sorted(seen)} of {replicas} served a turn in {timeout_s:.0f} s")
+                served = f"only ranks {sorted(seen)} of {replicas} served a turn"
+                raise TimeoutError(f"{model}: {served} in {timeout_s:.0f} s")
             with m.new_session(settings=Settings(temperature=0, sample_len=1)) as s:
                 final = list(s.generate([Message(Role.USER, "Hi")]))[-1]
                 owner = s.info().served_by

@@ -231,14 +231,16 @@ def test_fuzz_every_rpc_gets_its_documented_status(
         bad_key = bool(key) and not re.fullmatch(r"[A-Za-z0-9_-]{8,64}", key)
         expected = "INVALID_ARGUMENT" if expected_settings_error(values) or bad_key else "OK"
         got = call_status(
-            lambda: stub.CreateSession(session_pb2.CreateSessionRequest(model=APP, settings=s, session_key=key),
-                                       metadata=md, timeout=30)
+            lambda: stub.CreateSession(
+                session_pb2.CreateSessionRequest(model=APP, settings=s, session_key=key), metadata=md, timeout=30
+            )
         )
     elif kind == "update":
         expected = "NOT_FOUND" if not session_ok else ("INVALID_ARGUMENT" if expected_settings_error(values) else "OK")
         got = call_status(
-            lambda: stub.UpdateSettings(session_pb2.UpdateSettingsRequest(session_id=session_id, settings=s),
-                                        metadata=md, timeout=30)
+            lambda: stub.UpdateSettings(
+                session_pb2.UpdateSettingsRequest(session_id=session_id, settings=s), metadata=md, timeout=30
+            )
         )
         if got == "OK":  # put the fuzz session back to small replies
             stub.UpdateSettings(

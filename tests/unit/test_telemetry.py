@@ -308,6 +308,7 @@ def test_a_taken_prometheus_port_leaves_the_replica_serving_without_metrics() ->
         finally:
             setup._configured = saved
 
+
 # --------------------------------------------------------------------------- the Grafana dashboard
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "helm" / "hotloop-serve" / "files" / "grafana-dashboard.json"
