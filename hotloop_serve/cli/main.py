@@ -76,6 +76,9 @@ def run(
     t0 = time.perf_counter()
     try:
         start_server(cfg, address=address)
+        from hotloop_serve.serve.cluster import record_address
+
+        record_address(_state_dir())
         wait_until_serving(_address(cfg), [m.name for m in cfg.models])
         err.print(
             f"hotloop-serve: serving {', '.join(m.name for m in cfg.models)} on grpc://{_address(cfg)} "
@@ -166,20 +169,57 @@ def stop(timeout: Annotated[float, typer.Option(help="seconds before killing")] 
     err.print("hotloop-serve stopped")
 
 
-@app.command()
-def status() -> None:
-    """Is the background server running, and what does it serve?"""
-    pid = _running_pid()
-    if not pid:
-        err.print("hotloop-serve is not running")
-        raise typer.Exit(1)
-    address = json.loads((_state_dir() / "server.json").read_text())["address"]
-    from hotloop_client import Client
+RayAddressOpt = Annotated[
+    str | None,
+    typer.Option("--ray-address", help="the server's Ray cluster (default: the one `hotloop-serve run` recorded)"),
+]
 
-    with Client(address) as client:
-        for m in client.list_models():
-            typer.echo(f"{m.name}\t{m.architecture}\t{m.quantization}\tctx={m.context_length}\treplicas={m.replicas}")
-    err.print(f"running (pid {pid}) on grpc://{address}")
+
+def _attach(ray_address: str | None) -> None:
+    from hotloop_serve.serve.cluster import attach, recorded_address
+
+    address = ray_address or recorded_address(_state_dir())
+    if address is None:
+        err.print("hotloop-serve is not running here (no Ray address recorded); pass --ray-address")
+        raise typer.Exit(1)
+    try:
+        attach(address)
+    except Exception as e:
+        err.print(f"hotloop-serve: cannot reach the server's Ray at {address}: {e}", style="red", markup=False)
+        raise typer.Exit(1) from e
+
+
+@app.command()
+def apply(
+    config: Annotated[Path, typer.Option("--config", "-c", help="the whole fleet's YAML config")],
+    ray_address: RayAddressOpt = None,
+    prune: Annotated[bool, typer.Option(help="remove running models that the file does not list")] = False,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="print the plan, change nothing")] = False,
+    timeout: Annotated[float, typer.Option(help="seconds to wait for the fleet to converge")] = 600,
+) -> None:
+    """Change a running server in place to match a config (like `serve deploy` / `kubectl apply`).
+
+    Replica counts, autoscaling bounds and requests per replica change with the running
+    replicas kept; anything else rolls the model's replicas (sessions handed over).
+    """
+    from hotloop_serve.cli.apply import run_apply
+
+    cfg = _load(config, None)
+    _preflight(cfg)
+    _attach(ray_address)
+    raise typer.Exit(run_apply(cfg, prune=prune, dry_run=dry_run, timeout_s=timeout))
+
+
+@app.command()
+def status(
+    ray_address: RayAddressOpt = None,
+    as_json: Annotated[bool, typer.Option("--json", help="machine-readable output")] = False,
+) -> None:
+    """Per model: replicas (id, rank, state), sessions per replica (hot / RAM / disk), cache hit rates."""
+    from hotloop_serve.cli.status_view import print_status
+
+    _attach(ray_address)
+    raise typer.Exit(print_status(as_json))
 
 
 @app.command()

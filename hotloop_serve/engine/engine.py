@@ -95,6 +95,13 @@ class EngineStats:
     disk_files: int = 0
     disk_bytes: int = 0
     disk_restores: int = 0
+    turns: int = 0
+    """Generate turns finished (each counts its prompt below once, at its final chunk)."""
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    """Prompt tokens found in the hot KV cache (``cached_tokens / prompt_tokens``: the hit rate)."""
+    restored_tokens: int = 0
+    """Prompt tokens restored from the RAM or disk tier instead of re-prefilled."""
 
 
 class Engine:
@@ -168,6 +175,7 @@ class Engine:
         self._failure: BaseException | None = None
         self._last_housekeeping = time.monotonic()
         self._stats = EngineStats(free_sequences=opts.hot_sessions)
+        self._usage = {"turns": 0, "prompt_tokens": 0, "cached_tokens": 0, "restored_tokens": 0}
         self._thread = threading.Thread(target=self._run, name="hotloop-scheduler", daemon=True)
         self._thread.start()
 
@@ -388,6 +396,7 @@ class Engine:
             active_requests=snap.active_requests + len(self._inbox),
             disk_files=files,
             disk_bytes=size,
+            **self._usage,
         )
 
     def close(self) -> None:
@@ -658,6 +667,12 @@ class Engine:
             req.stream.put(error)
         elif state is RequestState.FINISHED:
             self._send_final(req, "eos")
+            if req.kind is RequestKind.GENERATE:
+                u = self._usage  # written by the scheduler thread only; stats() copies it
+                u["turns"] += 1
+                u["prompt_tokens"] += req.usage.prompt_tokens
+                u["cached_tokens"] += req.usage.cached_tokens
+                u["restored_tokens"] += req.usage.restored_tokens
 
     def _end_session_request(self, s: Session, why: str) -> None:
         """End whatever request holds ``s`` (clear or close); a finished reply's tail is not cached."""

@@ -14,7 +14,6 @@ import os
 import secrets
 from typing import Any
 
-from ray import serve
 from ray.serve.config import AutoscalingConfig, RequestRouterConfig
 from ray.serve.deployment import Application
 
@@ -160,10 +159,3 @@ def serve_config(config: Config) -> dict[str, Any]:
             for m in config.models
         ],
     }
-
-
-def deploy(config: Config, blocking: bool = False) -> None:
-    """Deploy every model of ``config`` on the connected Ray cluster (Serve must be started)."""
-    secret = session_secret(config)
-    for m in config.models:
-        serve.run(model_app(config, m, secret), name=m.name, route_prefix=f"/{m.name}", blocking=blocking)

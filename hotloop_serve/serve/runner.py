@@ -5,14 +5,19 @@ from __future__ import annotations
 import os
 
 from hotloop_serve.config import Config
-from hotloop_serve.serve.app import GRPC_SERVICER_FUNCTIONS, PROXY_MESSAGE_ENV, deploy, proxy_message_limit
+from hotloop_serve.serve.app import GRPC_SERVICER_FUNCTIONS, PROXY_MESSAGE_ENV, proxy_message_limit
+from hotloop_serve.serve.declarative import deploy
 from hotloop_serve.serve.probe import wait_until_serving
 
 __all__ = ["start_server", "stop_server", "wait_until_serving"]
 
 
 def start_server(config: Config, address: str | None = None, num_cpus: int | None = None) -> None:
-    """Start (or join, with ``address``) a Ray cluster, Serve with its gRPC proxy, and every model."""
+    """Start (or join, with ``address``) a Ray cluster, Serve with its gRPC proxy, and every model.
+
+    The models are deployed declaratively (``declarative.py``), as ``hotloop-serve apply``
+    later changes them: replica counts and autoscaling bounds then change in place.
+    """
     import ray
     from ray import serve
     from ray.serve.config import HTTPOptions, gRPCOptions

@@ -48,6 +48,19 @@ def test_same_history_again_reuses_all_but_the_last_prompt_token(engine: Engine)
     assert again.text == first.text
 
 
+def test_stats_count_prompt_tokens_and_their_cache_hits(engine: Engine) -> None:
+    """`hotloop-serve status` computes hit rates from these counters (cached / prompt tokens)."""
+    first = engine.generate("s", "a", history(), GREEDY).result()
+    settle(engine)
+    again = engine.generate("s", "a", history(), GREEDY).result()
+    settle(engine)
+    assert first.usage is not None and again.usage is not None
+    stats = engine.stats()
+    assert stats.turns == 2
+    assert stats.prompt_tokens == first.usage.prompt_tokens + again.usage.prompt_tokens
+    assert stats.cached_tokens == again.usage.cached_tokens > 0 and stats.restored_tokens == 0
+
+
 def test_second_turn_reuses_the_first_turn(engine: Engine) -> None:
     turn1 = history()
     r1 = engine.generate("s", "a", turn1, GREEDY).result()
