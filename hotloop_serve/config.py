@@ -50,6 +50,8 @@ class Autoscaling(_Strict):
     target_ongoing_requests: Annotated[float, Field(gt=0)] = 4.0
     upscale_delay_s: Annotated[float, Field(ge=0)] = 30.0
     downscale_delay_s: Annotated[float, Field(ge=0)] = 600.0
+    look_back_period_s: Annotated[float, Field(gt=0)] = 30.0
+    """Window Serve averages ongoing requests over: a short one follows load (and its end) sooner."""
 
     @model_validator(mode="after")
     def _order(self) -> Autoscaling:

@@ -59,6 +59,7 @@ def fleet_options(model: ModelConfig) -> dict[str, Any]:
             "target_ongoing_requests": a.target_ongoing_requests,
             "upscale_delay_s": a.upscale_delay_s,
             "downscale_delay_s": a.downscale_delay_s,
+            "look_back_period_s": a.look_back_period_s,
         }
     else:
         options["num_replicas"] = model.replicas
