@@ -8,6 +8,11 @@ with hand-over on (leaving replicas send their caches to the next owners, joinin
 on first use) and off (the follow-up re-prefills its history), against the same-run baseline
 of a hot follow-up with no fleet change.
 
+A fourth row scales instead of replacing: the model autoscales (min 1, max 2, short delays),
+the sessions chat concurrently until Serve adds a replica (the sessions it now owns are
+fetched on first use), then go idle until Serve removes one (it hands its sessions over);
+each session's follow-up is then timed on the one replica left.
+
 Run: ``.venv/bin/python bench/fleet.py [--sessions 6] [--json bench/results/fleet.json]``.
 """
 
@@ -19,6 +24,8 @@ import os
 import secrets
 import statistics
 import sys
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +59,88 @@ def config(port: int, handover: bool, generation: int) -> Config:
             ],
         }
     )  # fmt: skip
+
+
+AUTOSCALING = {"min_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 2, "upscale_delay_s": 2,
+               "downscale_delay_s": 8, "look_back_period_s": 6}  # fmt: skip
+LOADED_AFTER_SCALE_OUT_S = 15
+
+
+def running(app: str) -> int:
+    status = serve.status().applications.get(app)
+    if status is None:
+        return 0
+    states = status.deployments[app].replica_states
+    others = sum(n for state, n in states.items() if not str(state).endswith("RUNNING"))
+    return -1 if others else int(sum(states.values()))
+
+
+def wait_replicas(app: str, n: int, timeout_s: float = 180) -> float:
+    t0 = time.monotonic()
+    while running(app) != n:
+        if time.monotonic() - t0 > timeout_s:
+            raise TimeoutError(f"{app}: not {n} replicas after {timeout_s} s")
+        time.sleep(0.5)
+    return time.monotonic() - t0
+
+
+def autoscaled(address: str, port: int, sessions: int) -> dict[str, Any]:
+    """Out under concurrent load, in when idle; then one timed follow-up per session."""
+    cfg = config(port, True, 1)
+    model = cfg.models[0].model_copy(update={"replicas": 1, "autoscaling": AUTOSCALING})
+    cfg = cfg.model_copy(update={"models": [model]})
+    cfg = config_from_dict(cfg.model_dump(mode="json"))  # validate the autoscaling block
+    serve.run(model_app(cfg, cfg.models[0], os.environ["HOTLOOP_SESSION_SECRET"]), name=APP, route_prefix=f"/{APP}")
+    wait_replicas(APP, 1)
+    failures: list[BaseException] = []
+    stop = threading.Event()
+    with Client(address) as client:
+        ss = [client.model(APP).new_session(settings=GREEDY) for _ in range(sessions)]
+        transcripts = [list(history(i)) for i in range(sessions)]
+
+        def turn(i: int, text: str | None) -> Any:
+            if text is not None:
+                transcripts[i].append(Message(Role.USER, text))
+            chunks = list(ss[i].generate(transcripts[i]))
+            transcripts[i].append(Message(Role.ASSISTANT, "".join(c.text for c in chunks)))
+            return chunks[-1]
+
+        def drive(i: int) -> None:
+            try:
+                turn(i, None)
+                n = 0
+                while not stop.is_set():
+                    n += 1
+                    turn(i, f"Question {n}: name one boat.")
+            except BaseException as e:
+                failures.append(e)
+
+        threads = [threading.Thread(target=drive, args=(i,)) for i in range(sessions)]
+        for t in threads:
+            t.start()
+        out_s = wait_replicas(APP, 2)
+        time.sleep(LOADED_AFTER_SCALE_OUT_S)
+        stop.set()
+        for t in threads:
+            t.join()
+        in_s = wait_replicas(APP, 1)
+        shares, ttft = [], []
+        for i in range(sessions):
+            last = turn(i, "Which items are boats?")
+            assert last.usage and last.timings
+            shares.append((last.usage.cached_tokens + last.usage.restored_tokens) / last.usage.prompt_tokens)
+            ttft.append(last.timings.time_to_first_token_ms)
+    serve.delete(APP)
+    print(
+        f"autoscaled: out after {out_s:.0f} s of load, in {in_s:.0f} s after it stopped, {len(failures)} failed turns"
+    )
+    return {
+        "cached_share": shares,
+        "ttft_ms": ttft,
+        "scale_out_s": out_s,
+        "scale_in_s": in_s,
+        "failed_turns": len(failures),
+    }
 
 
 def history(i: int) -> list[Message]:
@@ -98,18 +187,19 @@ def main() -> int:
         for label, mode in (("hot follow-up, no fleet change", None), ("every replica replaced, hand-over on", True),
                             ("every replica replaced, hand-over off", False)):  # fmt: skip
             results[label] = run(address, port, ns.sessions, mode)
+        results["autoscaled 1 -> 2 under load -> 1 when idle"] = autoscaled(address, port, ns.sessions)
     finally:
         stop_server()
     hot = statistics.median(results["hot follow-up, no fleet change"]["ttft_ms"])
     print(f"\n{ns.sessions} sessions, 2 replicas\n")
-    head = f"| {'event':<40} | {'sessions >= 90% cached':>22} | {'median cached':>13} |"
+    head = f"| {'event':<44} | {'sessions >= 90% cached':>22} | {'median cached':>13} |"
     print(head + f" {'median TTFT':>12} | {'vs hot':>7} |")
-    print(f"|{'-' * 42}|{'-' * 24}|{'-' * 15}|{'-' * 14}|{'-' * 9}|")
+    print(f"|{'-' * 46}|{'-' * 24}|{'-' * 15}|{'-' * 14}|{'-' * 9}|")
     for label, r in results.items():
         ok = sum(s >= 0.9 for s in r["cached_share"])
         med = statistics.median(r["ttft_ms"])
         share = statistics.median(r["cached_share"])
-        print(f"| {label:<40} | {ok:>12} of {len(r['cached_share']):<7} | {share:>12.0%} ", end="")
+        print(f"| {label:<44} | {ok:>12} of {len(r['cached_share']):<7} | {share:>12.0%} ", end="")
         print(f"| {med:>9.0f} ms | {med / hot:>6.2f}x |")
     ns.json.parent.mkdir(parents=True, exist_ok=True)
     ns.json.write_text(json.dumps(results, indent=2))

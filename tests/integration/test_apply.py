@@ -95,15 +95,17 @@ def first_turns(sessions: list[Session]) -> list[list[Message]]:
     return transcripts
 
 
-def follow_up_shares(sessions: list[Session], transcripts: list[list[Message]]) -> list[float]:
-    """Each session's next turn: the share of its prompt found cached (hot or restored)."""
+def follow_up_shares(sessions: list[Session], transcripts: list[list[Message]], ranks: list[int]) -> list[float]:
+    """Each session's next turn: the share of its prompt found cached (hot or restored);
+    ``ranks`` gets the rank that served each."""
     shares = []
     for s, transcript in zip(sessions, transcripts, strict=True):
         transcript.append(Message(Role.USER, "Which items are boats?"))
         chunks = list(s.generate(transcript))
         transcript.append(Message(Role.ASSISTANT, "".join(c.text for c in chunks)))
-        usage = chunks[-1].usage
-        assert usage is not None
+        usage, served = chunks[-1].usage, chunks[-1].served_by
+        assert usage is not None and served is not None
+        ranks.append(served.replica_rank)
         shares.append((usage.cached_tokens + usage.restored_tokens) / usage.prompt_tokens)
     return shares
 
@@ -127,8 +129,9 @@ def test_apply_scales_in_place_rolls_engine_changes_and_status_reports(server: S
         assert f"{APP}: changes in place" in scaled.stdout and "num_replicas: 1 -> 2" in scaled.stdout
         assert f"{APP}: 2 replicas running, 1 kept, 1 new" in scaled.stdout
         assert first in running(APP)
-        in_place = follow_up_shares(sessions, transcripts)
-        print(f"cached shares after 1 -> 2 in place: {in_place}")
+        ranks: list[int] = []
+        in_place = follow_up_shares(sessions, transcripts, ranks)
+        print(f"cached shares after 1 -> 2 in place: {in_place}, served by ranks {ranks}")
         assert sum(share >= 0.9 for share in in_place) >= 3, in_place
 
         # An engine option and the switch to autoscaling: both change Serve's code version.
@@ -140,8 +143,9 @@ def test_apply_scales_in_place_rolls_engine_changes_and_status_reports(server: S
         assert "switching to autoscaling" in rolled.stdout
         assert f"{APP}: 2 replicas running, 0 kept, 2 new" in rolled.stdout
         assert not running(APP) & before_roll
-        after_roll = follow_up_shares(sessions, transcripts)
-        print(f"cached shares after the roll: {after_roll}")
+        ranks = []
+        after_roll = follow_up_shares(sessions, transcripts, ranks)
+        print(f"cached shares after the roll: {after_roll}, served by ranks {ranks}")
         assert sum(share >= 0.9 for share in after_roll) >= 3, after_roll
 
         bounds = {"autoscaling": {"min_replicas": 2, "max_replicas": 4, "upscale_delay_s": 60}}
