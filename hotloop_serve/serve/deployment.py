@@ -20,6 +20,7 @@ from hotloop_serve.serve.model_source import resolve_model_path
 from hotloop_serve.serve.router import rendezvous_order
 from hotloop_serve.serve.servicer import ModelServicer
 from hotloop_serve.serve.session_ids import SessionIds, new_routing_key, routing_key
+from hotloop_serve.serve.settings_memo import SettingsMemo
 from hotloop_serve.telemetry import Telemetry, configure_telemetry
 from hotloop_serve.telemetry.setup import shutdown_telemetry
 
@@ -27,6 +28,12 @@ log = logging.getLogger("ray.serve")
 
 TRANSFER_TIMEOUT_S = 3.0
 """Longest wait for one session's transfer between replicas; past it the cache is rebuilt."""
+
+
+def _runner_up(key: str, ranks: list[str], owner: str) -> int:
+    """Index in ``ranks`` of the replica that takes ``key``'s sessions when ``owner`` is gone."""
+    others = [r for r in ranks if r != owner]
+    return ranks.index(others[rendezvous_order(key, others)[0]])
 
 
 def _key_owned_by(index: int, ranks: list[str]) -> str:
@@ -61,7 +68,18 @@ class ModelReplica(ModelServicer):
         telemetry = Telemetry(
             mcfg.name, replica_id, engine.stats, tracer_provider, meter_provider, cfg.telemetry.request_log
         )
-        self.fleet = {"handed_over": 0, "adopted": 0, "fetched": 0, "given": 0, "fetch_failures": 0}
+        self.fleet = {
+            "handed_over": 0,
+            "adopted": 0,
+            "fetched": 0,
+            "given": 0,
+            "fetch_failures": 0,
+            "settings_sent": 0,
+            "settings_send_failures": 0,
+            "settings_recalled": 0,
+        }
+        self._memo = SettingsMemo()
+        self._background: set[asyncio.Task[None]] = set()
         super().__init__(
             cfg,
             mcfg,
@@ -82,7 +100,13 @@ class ModelReplica(ModelServicer):
         )
 
     async def route_create(self, request: spb.CreateSessionRequest, principal: str) -> spb.Session:
-        """Through our own deployment's handle, so the affinity router picks the key's owner."""
+        """To the key's owner through our own deployment's handle (the affinity router picks it),
+        or directly when the owner is this replica: a handle call from a replica to itself lost
+        its reply now and then in Ray 2.60 (the callee logged OK; the caller waited until the
+        client's deadline), which made keyless CreateSession calls time out."""
+        ranks = await self._ranks()
+        if ranks[rendezvous_order(routing_key(request.session_key), ranks)[0]] == str(self._rank):
+            return await self.CreateSessionFor(request, principal)
         handle = serve.get_deployment_handle(self._deployment, self._app)
         result: spb.Session = await handle.CreateSessionFor.remote(request, principal)
         return result
@@ -177,17 +201,62 @@ class ModelReplica(ModelServicer):
         self.fleet["adopted"] += 1
         return True
 
-    async def GiveSession(self, target: spb.ImportSessionRequest, principal: str, sid: str) -> bytes | None:
-        """Give a session to its new owner (and forget it here); None if there is nothing to give."""
-        if not self.engine.known(sid):
-            return None
-        try:
-            blob = await asyncio.to_thread(self.engine.release_session, sid, principal)
-        except HotloopError:
-            return None
+    async def GiveSession(
+        self, target: spb.ImportSessionRequest, principal: str, sid: str
+    ) -> bytes | SamplingSettings | None:
+        """Give a session to its new owner (and forget it here): its cache as a blob, else the
+        settings its owner left here (:meth:`RememberSettings`), else None."""
+        blob = None
+        if self.engine.known(sid):
+            try:
+                blob = await asyncio.to_thread(self.engine.release_session, sid, principal)
+            except HotloopError:
+                blob = None
         if blob is not None:
             self.fleet["given"] += 1
-        return blob
+            return blob
+        return self.recall_settings(sid, principal)
+
+    async def RememberSettings(
+        self, target: spb.ImportSessionRequest, principal: str, sid: str, settings: SamplingSettings | None
+    ) -> None:
+        """Keep a session's settings for its owner, whose runner-up this replica is (None: forget)."""
+        self._memo.set(sid, principal, settings)
+
+    def recall_settings(self, sid: str, principal: str) -> SamplingSettings | None:
+        remembered = self._memo.get(sid, principal)
+        if remembered is not None:
+            self.fleet["settings_recalled"] += 1
+        return remembered
+
+    def settings_changed(self, sid: str, principal: str, settings: SamplingSettings | None) -> None:
+        task = asyncio.get_running_loop().create_task(self._tell_runner_up(sid, principal, settings))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _tell_runner_up(self, sid: str, principal: str, settings: SamplingSettings | None) -> None:
+        """The owner sends the change to its runner-up; a runner-up holding the session (its
+        owner is down) keeps it itself, for the owner's replacement to fetch."""
+        ranks = await self._ranks()
+        if len(ranks) < 2:
+            return
+        key, mine = routing_key(sid), str(self._rank)
+        owner = ranks[rendezvous_order(key, ranks)[0]]
+        runner_up = _runner_up(key, ranks, owner)
+        if ranks[runner_up] == mine:
+            self._memo.set(sid, principal, settings)
+            return
+        if owner != mine:
+            return  # a spilled call on a third replica: the owner and its runner-up know better
+        handle = serve.get_deployment_handle(self._deployment, self._app)
+        probe = spb.ImportSessionRequest(session_key=_key_owned_by(runner_up, ranks))
+        try:
+            call = handle.RememberSettings.remote(probe, principal, sid, settings)
+            await asyncio.wait_for(call, TRANSFER_TIMEOUT_S)
+            self.fleet["settings_sent"] += 1
+        except Exception as e:  # the runner-up is busy or gone: only a hard loss of this owner would need it
+            self.fleet["settings_send_failures"] += 1
+            log.info("could not send session %s's settings to rank %s: %r", sid[:12], ranks[runner_up], e)
 
     async def adopt_from_previous_owner(self, sid: str, principal: str) -> None:
         ranks = await self._ranks()
@@ -195,16 +264,18 @@ class ModelReplica(ModelServicer):
         key = routing_key(sid)
         if len(ranks) < 2 or ranks[rendezvous_order(key, ranks)[0]] != mine:
             return  # one replica, or not the owner (a spilled turn): nothing to fetch
-        others = [r for r in ranks if r != mine]
-        previous = ranks.index(others[rendezvous_order(key, others)[0]])
+        previous = _runner_up(key, ranks, mine)
         probe = _key_owned_by(previous, ranks)
         handle = serve.get_deployment_handle(self._deployment, self._app)
         try:
             call = handle.GiveSession.remote(spb.ImportSessionRequest(session_key=probe), principal, sid)
-            blob = await asyncio.wait_for(call, TRANSFER_TIMEOUT_S)
-            if blob is not None:
-                await asyncio.to_thread(self.engine.import_session, sid, principal, blob)
+            given = await asyncio.wait_for(call, TRANSFER_TIMEOUT_S)
+            if isinstance(given, bytes):
+                await asyncio.to_thread(self.engine.import_session, sid, principal, given)
                 self.fleet["fetched"] += 1
+            elif isinstance(given, SamplingSettings):  # no cache there, but the settings survived
+                self.engine.create_session(sid, principal, given)
+                self.settings_changed(sid, principal, given)
         except Exception as e:  # the previous owner is gone or slow: the history rebuilds the cache
             self.fleet["fetch_failures"] += 1
             log.info("could not fetch session %s from rank %s: %r", sid[:12], ranks[previous], e)

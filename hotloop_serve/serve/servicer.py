@@ -23,6 +23,7 @@ from hotloop.v1 import session_pb2 as spb
 
 from hotloop_serve.config import Config, ModelConfig
 from hotloop_serve.engine.engine import Engine
+from hotloop_serve.engine.settings import SamplingSettings
 from hotloop_serve.engine.stream import RequestStream
 from hotloop_serve.errors import InvalidArgument, NotFound, ResourceExhausted
 from hotloop_serve.serve import convert
@@ -181,11 +182,23 @@ class ModelServicer:
         """
         sid = self._session(session_id, principal)
         if not self.engine.known(sid):
-            await self.adopt_from_previous_owner(sid, self._tenant(principal, sid))
+            tenant = self._tenant(principal, sid)
+            await self.adopt_from_previous_owner(sid, tenant)
+            remembered = self.recall_settings(sid, tenant) if not self.engine.known(sid) else None
+            if remembered is not None:  # its owner is gone: keep the settings its creator chose
+                self.engine.create_session(sid, tenant, remembered)
         return sid
 
     async def adopt_from_previous_owner(self, sid: str, principal: str) -> None:
         """Fetch a session from the replica that owned it before; overridden where replicas exist."""
+
+    def recall_settings(self, sid: str, principal: str) -> SamplingSettings | None:
+        """Settings the session's owner left here for it; overridden where replicas exist."""
+        return None
+
+    def settings_changed(self, sid: str, principal: str, settings: SamplingSettings | None) -> None:
+        """A session's settings were set here (None: it was closed): where replicas exist, the
+        runner-up for its key is told, so a turn it takes after the owner died keeps them."""
 
     def _session_proto(self, sid: str, principal: str) -> spb.Session:
         owner = self._tenant(principal, sid)
@@ -266,7 +279,9 @@ class ModelServicer:
         """Create a keyed session here (this replica owns the key); no auth: callers did it."""
         settings = convert.settings_from_proto(request.settings, self.engine.defaults)
         sid = self.ids.new(principal, request.session_key)
-        self.engine.create_session(sid, self._tenant(principal, sid), settings)
+        tenant = self._tenant(principal, sid)
+        self.engine.create_session(sid, tenant, settings)
+        self.settings_changed(sid, tenant, settings)
         return self._session_proto(sid, principal)
 
     async def route_create(self, request: spb.CreateSessionRequest, principal: str) -> spb.Session:
@@ -281,7 +296,9 @@ class ModelServicer:
     async def UpdateSettings(self, request: spb.UpdateSettingsRequest, principal: str, span: RpcSpan) -> spb.Session:
         sid = await self._here(request.session_id, principal)
         settings = convert.settings_from_proto(request.settings, self.engine.defaults)
-        self.engine.update_settings(sid, self._tenant(principal, sid), settings)
+        tenant = self._tenant(principal, sid)
+        self.engine.update_settings(sid, tenant, settings)
+        self.settings_changed(sid, tenant, settings)
         return self._session_proto(sid, principal)
 
     @unary(spb.Session)
@@ -298,6 +315,7 @@ class ModelServicer:
         sid = await self._here(request.session_id, principal)
         if self.engine.known(sid):
             await asyncio.to_thread(self.engine.close_session, sid, self._tenant(principal, sid))
+        self.settings_changed(sid, self._tenant(principal, sid), None)
         self._closed[sid] = None
         while len(self._closed) > _CLOSED_REMEMBERED:
             self._closed.popitem(last=False)
@@ -329,6 +347,7 @@ class ModelServicer:
         else:  # two anonymous tenants: a copy of the cache, never a shared one
             blob = await asyncio.to_thread(self.engine.export_session, source, owner)
             await asyncio.to_thread(self.engine.import_session, sid, new_owner, blob, settings, keep)
+        self.settings_changed(sid, new_owner, self.engine.settings_of(sid, new_owner))
         span.set_attribute("hotloop.session_id", sid)
         return self._session_proto(sid, principal)
 
@@ -416,7 +435,9 @@ class ModelServicer:
             if convert.has_settings(request.settings)
             else None
         )
-        await asyncio.to_thread(self.engine.import_session, sid, self._tenant(principal, sid), bytes(buf), settings)
+        tenant = self._tenant(principal, sid)
+        await asyncio.to_thread(self.engine.import_session, sid, tenant, bytes(buf), settings)
+        self.settings_changed(sid, tenant, self.engine.settings_of(sid, tenant))
         span.set_attribute("hotloop.session_id", sid)
         return self._session_proto(sid, principal)
 

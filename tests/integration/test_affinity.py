@@ -131,6 +131,45 @@ def test_killing_a_replica_loses_no_turn(client: Client) -> None:
         assert again.usage is not None and again.usage.cached_tokens > 0
 
 
+def stock_turn(stub: session_pb2_grpc.SessionServiceStub, session_id: str, text: str) -> session_pb2.GenerateChunk:
+    """A turn from a client with no SDK: no settings, no key metadata; retried while the proxy
+    still routes to a replica that was just killed (what any client does on UNAVAILABLE)."""
+    msgs = [{"role": "ROLE_USER", "content": text}]
+    request = session_pb2.GenerateRequest(session_id=session_id, messages=msgs)
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            return list(stub.Generate(request, metadata=[("application", DUO)], timeout=120))[-1]
+        except grpc.RpcError as e:
+            if time.monotonic() > deadline or e.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL):
+                raise
+            time.sleep(0.5)
+
+
+def test_a_stock_clients_settings_outlive_its_owner(server: Server) -> None:
+    """Settings set once at CreateSession hold on the runner-up while the owner is dead, and on
+    the owner's replacement after: the owner told its runner-up, which hands them on."""
+    wait_for_replicas(server.address, 2)
+    with grpc.insecure_channel(server.address) as channel:
+        stub = session_pb2_grpc.SessionServiceStub(channel)
+        settings = {"sample_len": 3, "temperature": 0}
+        created = stub.CreateSession(
+            session_pb2.CreateSessionRequest(model=DUO, settings=settings), metadata=[("application", DUO)]
+        )
+        first = stock_turn(stub, created.id, "Tell me a long story.")
+        assert first.usage.completion_tokens == 3
+        owner = first.served_by
+        time.sleep(1)  # the owner tells its runner-up in the background
+        ray.kill(ray.get_actor(next(n for n in replica_actors() if n.endswith(owner.replica)), namespace="serve"))
+        during = stock_turn(stub, created.id, "Go on.")
+        assert during.served_by.replica != owner.replica
+        assert during.usage.completion_tokens == 3  # not the server's default of 256
+        wait_for_replicas(server.address, 2)
+        after = stock_turn(stub, created.id, "And then?")
+        assert after.served_by.replica_rank == owner.replica_rank and after.served_by.replica != owner.replica
+        assert after.usage.completion_tokens == 3
+
+
 def test_replica_killed_mid_stream(client: Client) -> None:
     wait_for_replicas(client.address, 2)
     session = client.model(DUO).new_session(settings=Settings(temperature=0, sample_len=200))
