@@ -237,13 +237,17 @@ class KVManager:
         if data is None:
             self._lose(s)
             return
+        self._keep_in_ram(s, data, pinned)
+        if s.saved is data:
+            s.phase = SessionPhase.EVICTED
+            self.counters["preemptions" if pinned else "evictions"] += 1
+
+    def _keep_in_ram(self, s: Session, data: KVBytes, pinned: bool) -> None:
+        """Put ``s``'s KV in the RAM store; whatever it drops to make room goes to disk (if any), then is lost."""
         for old, old_data in self.evicted.put(s, data, pinned=pinned):
             if self.spill is not None and old.tokens:
                 self.spill(old, list(old.tokens), old_data)
             self._lose(old)
-        if s.saved is data:
-            s.phase = SessionPhase.EVICTED
-            self.counters["preemptions" if pinned else "evictions"] += 1
 
     def _lose(self, s: Session) -> None:
         """The session's cache is gone; the next request rebuilds it from its history."""
@@ -331,10 +335,7 @@ class KVManager:
         """Take a cache from outside (disk, an import) as the session's evicted state, to restore next."""
         self.evicted.take(s)
         s.tokens = list(tokens)
-        for old, old_data in self.evicted.put(s, data, pinned=True):
-            if self.spill is not None and old.tokens:
-                self.spill(old, list(old.tokens), old_data)
-            self._lose(old)
+        self._keep_in_ram(s, data, pinned=True)
         self.evicted.unpin(s)
         s.phase = SessionPhase.EVICTED
 

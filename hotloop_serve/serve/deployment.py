@@ -119,29 +119,20 @@ class ModelReplica(ModelServicer):
         """A routing key this replica owns (a fork then stays next to its source's cache)."""
         ranks = await self._ranks()
         mine = ranks.index(str(self._rank))
-        for _ in range(64 * len(ranks)):
-            key = preferred or new_routing_key()
-            if rendezvous_order(key, ranks)[0] == mine:
-                return key
-            preferred = ""
-        return preferred or new_routing_key()
+        if preferred and rendezvous_order(preferred, ranks)[0] == mine:
+            return preferred
+        return _key_owned_by(mine, ranks)
 
     async def route_list(self, principal: str) -> list[spb.Session]:
         """This replica's sessions, and every other replica's: one call per rank, each steered by a
         key that rank owns (a call to itself through the handle is not made)."""
         handle = serve.get_deployment_handle(self._deployment, self._app)
         ranks = await self._ranks()
-        keys: dict[int, str] = {}
-        for _ in range(64 * len(ranks)):
-            key = new_routing_key()
-            keys.setdefault(rendezvous_order(key, ranks)[0], key)
-            if len(keys) == len(ranks):
-                break
         mine = ranks.index(str(self._rank))
         calls = [
-            handle.ListFor.remote(spb.ImportSessionRequest(session_key=k), principal)
-            for rank, k in keys.items()
-            if rank != mine
+            handle.ListFor.remote(spb.ImportSessionRequest(session_key=_key_owned_by(i, ranks)), principal)
+            for i in range(len(ranks))
+            if i != mine
         ]
         seen = {s.id: s for s in await self.ListFor(spb.ImportSessionRequest(), principal)}
         for sessions in await asyncio.gather(*calls):
