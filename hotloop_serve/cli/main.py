@@ -76,7 +76,7 @@ def run(
     t0 = time.perf_counter()
     try:
         start_server(cfg, address=address)
-        from hotloop_serve.serve.cluster import record_address
+        from hotloop_serve.serve.ray_state import record_address
 
         record_address(_state_dir())
         wait_until_serving(_address(cfg), [m.name for m in cfg.models])
@@ -176,16 +176,21 @@ RayAddressOpt = Annotated[
 
 
 def _attach(ray_address: str | None) -> None:
-    from hotloop_serve.serve.cluster import attach, recorded_address
+    from hotloop_serve.serve.ray_state import recorded, use_auth_mode
 
-    address = ray_address or recorded_address(_state_dir())
+    found = recorded(_state_dir())
+    address, auth_mode = (ray_address, None) if ray_address else (found or (None, None))
     if address is None:
         err.print("hotloop-serve is not running here (no Ray address recorded); pass --ray-address")
         raise typer.Exit(1)
+    use_auth_mode(auth_mode)  # before Ray is imported
+    from hotloop_serve.serve.cluster import attach
+
     try:
-        attach(address)
+        attach(address, auth_mode)
     except Exception as e:
-        err.print(f"hotloop-serve: cannot reach the server's Ray at {address}: {e}", style="red", markup=False)
+        hint = "" if os.environ.get("RAY_AUTH_MODE") else " (a token-auth cluster needs RAY_AUTH_MODE=token)"
+        err.print(f"hotloop-serve: cannot reach the server's Ray at {address}{hint}: {e}", style="red", markup=False)
         raise typer.Exit(1) from e
 
 

@@ -8,48 +8,30 @@ comes back is that replica's own view.
 
 from __future__ import annotations
 
-import json
-import os
+import logging
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from hotloop_serve.serve.apply_plan import Live
 from hotloop_serve.serve.declarative import state_name
+from hotloop_serve.serve.ray_state import use_auth_mode
 from hotloop_serve.serve.router import rendezvous_order
 from hotloop_serve.serve.session_ids import new_routing_key
 
 SERVE_NAMESPACE = "serve"
-STATE_FILE = "ray.json"
-"""Where ``hotloop-serve run`` records its Ray address (in the CLI's state directory)."""
 
 
-def record_address(state_dir: Path) -> None:
-    """Called by ``run`` once Ray is up: later ``apply``/``status`` calls find the cluster here."""
-    import ray
+def attach(address: str, auth_mode: str | None = None) -> None:
+    """Join the cluster at ``address`` and check Serve runs there (``RuntimeError`` if not).
 
-    address = ray.get_runtime_context().gcs_address
-    (state_dir / STATE_FILE).write_text(json.dumps({"address": address, "pid": os.getpid()}))
-
-
-def recorded_address(state_dir: Path) -> str | None:
-    f = state_dir / STATE_FILE
-    if not f.exists():
-        return None
-    data = json.loads(f.read_text())
-    try:
-        os.kill(int(data["pid"]), 0)
-    except (ProcessLookupError, KeyError, ValueError):
-        f.unlink(missing_ok=True)
-        return None
-    return str(data["address"])
-
-
-def attach(address: str) -> None:
-    """Join the cluster at ``address`` and check Serve runs there (``RuntimeError`` if not)."""
+    ``auth_mode`` (recorded by ``run``) is what the cluster was started with; an explicit
+    ``RAY_AUTH_MODE`` in the environment wins.
+    """
     import ray
     from ray.serve.context import _get_global_client
 
+    use_auth_mode(auth_mode)
+    logging.getLogger("ray.serve").setLevel(logging.WARNING)  # the CLI prints its own lines
     if not ray.is_initialized():
         ray.init(address=address, namespace="hotloop", log_to_driver=False, configure_logging=False)
     try:
