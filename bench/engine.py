@@ -127,6 +127,52 @@ def primitive(path: Path, tokens: int, threads: int, widths: tuple[int, ...] = W
     return results
 
 
+def primitive_prefill(path: Path, threads: int, tokens: int = 2048, sequences: int = 2) -> float:
+    """llama.cpp's prefill rate: ``sequences`` histories of ``tokens`` tokens each, decoded in
+    512-token batches into one context (as a chat's cold turns are), prompt tokens/s."""
+    import llama_cpp as ll
+
+    from hotloop_serve.engine.model import Model
+
+    model = Model(path, repack=False)
+    params = ll.llama_context_default_params()
+    params.n_ctx, params.n_batch, params.n_ubatch, params.n_seq_max = 16384, 512, 512, 8
+    params.n_threads = params.n_threads_batch = threads
+    params.kv_unified, params.swa_full, params.no_perf = True, True, True
+    params.flash_attn_type = ll.LLAMA_FLASH_ATTN_TYPE_ENABLED
+    ctx = ll.llama_init_from_model(model.ptr, params)
+    batch = ll.llama_batch_init(512, 0, 1)
+    text = " ".join(f"{FIXED_PROMPT} ({i})" for i in range(400))
+    history = [model.bos, *model.tokenize(text)][:tokens]
+    assert len(history) == tokens, "the filler text is too short"
+    t0 = time.perf_counter()
+    for seq in range(sequences):
+        for start in range(0, tokens, 512):
+            part = history[start : start + 512]
+            for i, t in enumerate(part):
+                batch.token[i], batch.pos[i], batch.n_seq_id[i], batch.logits[i] = t, start + i, 1, False
+                batch.seq_id[i][0] = seq
+            batch.logits[len(part) - 1] = True
+            batch.n_tokens = len(part)
+            assert ll.llama_decode(ctx, batch) == 0
+    rate = sequences * tokens / (time.perf_counter() - t0)
+    ll.llama_batch_free(batch)
+    ll.llama_free(ctx)
+    model.close()
+    return rate
+
+
+def primitive_prefill_isolated(threads: int) -> float:
+    """:func:`primitive_prefill` in its own process (see :func:`raw_llama_decode_isolated`)."""
+    out = subprocess.run(
+        [sys.executable, __file__, "--prefill-only", "--threads", str(threads)],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+    return float(out.stdout.strip().splitlines()[-1])
+
+
 def fixed_run(engine: Engine, n: int, tokens: int, settings: SamplingSettings, tag: str) -> tuple[float, list[str]]:
     """n sessions at once, prompts prefilled first; aggregate decode tokens/s and the texts."""
     prompts = [[ChatMessage("user", f"{FIXED_PROMPT} (list {i})")] for i in range(n)]
@@ -367,12 +413,16 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--raw-only", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--primitive-only", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--prefill-only", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--only-new", action="store_true", help="only the rows 0-0d (engine vs primitive, options)")
     ap.add_argument("--json", type=Path, default=Path(__file__).parent / "results" / "engine.json")
     ns = ap.parse_args()
     path = embedded_model_path(progress=True)
     if ns.raw_only:
         print(raw_llama_decode(path, ns.tokens, ns.threads))
+        return 0
+    if ns.prefill_only:
+        print(primitive_prefill(path, ns.threads))
         return 0
     if ns.primitive_only:
         print(primitive(path, ns.tokens, ns.threads, (ns.primitive_only,))[ns.primitive_only])

@@ -9,9 +9,11 @@ fixed 64-token replies, prompts prefilled first so every row measures decoding):
 3. the servicer in-process (``ModelServicer.Generate``, asyncio, no Ray, no gRPC)
 4. the full stack: Python SDK (asyncio) -> Ray Serve's gRPC proxy -> replica -> engine
 
-with the ratio of each to the engine, and for the full stack the CPU time each process
-spent per generated token (client, Ray's proxy actor, the replica, the rest of Ray), from
-psutil. Decode tokens/s are counted from each stream's first to its last chunk.
+with the ratio of each to the engine. The full stack runs with our Ray Serve loop intervals
+(``runner.RAY_BACKGROUND_ENV``) and once more with Ray's stock ones (their same-run
+baseline), each with the CPU time every process spent per generated token (client, Ray's
+proxy actor, the replica, the rest of Ray), from psutil. Decode tokens/s are counted from
+each stream's first to its last chunk.
 
 Run: ``.venv/bin/python bench/stack.py [--tokens 64] [--json bench/results/stack.json]``.
 """
@@ -38,6 +40,8 @@ from hotloop_serve.engine import Engine, EngineOptions, SamplingSettings
 from hotloop_serve.serve.model_source import embedded_model_path
 
 WIDTHS = (1, 8)
+RAY_STOCK_ENV = {"RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.1", "RAY_SERVE_METRICS_EXPORT_INTERVAL_MS": "100"}
+"""Ray Serve 2.60's defaults, which ``hotloop_serve.serve.runner.RAY_BACKGROUND_ENV`` slows."""
 ROWS: list[dict[str, Any]] = []
 
 
@@ -188,6 +192,12 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--coalesce-ms", type=float, nargs="*", default=[0.0], help="server.stream_coalesce_ms values")
+    ap.add_argument(
+        "--ray-stock-intervals",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also run the full stack with Ray Serve's stock loop intervals (the baseline of RAY_BACKGROUND_ENV)",
+    )
     ap.add_argument("--json", type=Path, default=Path(__file__).parent / "results" / "stack.json")
     ns = ap.parse_args()
     path = embedded_model_path(progress=True)
@@ -203,12 +213,27 @@ def main() -> int:
         row(f"1. primitive batched loop, {n} seq", prim, "tok/s", engine[n])
         row(f"2. engine, {n} sessions (baseline)", engine[n], "tok/s")
         row(f"3. servicer in-process, {n} sessions", servicer_rate(path, n, ns.tokens, ns.threads), "tok/s", engine[n])
-    for coalesce in ns.coalesce_ms:
-        for n, (rate, cpu) in stack_rates(ns.tokens, ns.threads, coalesce).items():
-            row(f"4. full stack, {n} sessions, coalesce {coalesce:g} ms", rate, "tok/s", engine[n])
+    passes = [(c, "") for c in ns.coalesce_ms]
+    if ns.ray_stock_intervals:
+        passes.append((ns.coalesce_ms[0], "Ray's stock loop intervals"))
+    for coalesce, variant in passes:
+        saved = {k: os.environ.get(k) for k in RAY_STOCK_ENV}
+        if variant:
+            os.environ.update(RAY_STOCK_ENV)
+        try:
+            rates = stack_rates(ns.tokens, ns.threads, coalesce)
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+        for n, (rate, cpu) in rates.items():
+            label = variant or f"coalesce {coalesce:g} ms"
+            row(f"4. full stack, {n} sessions, {label}", rate, "tok/s", engine[n])
             for who, ms in cpu.items():
                 print(f"|   {'CPU ms per token: ' + who:<56} | {ms:>9.2f} ms     |         |")
-                ROWS.append({"name": f"cpu {n} {coalesce:g} {who}", "value": ms, "unit": "ms/token"})
+                ROWS.append({"name": f"cpu {n} {label} {who}", "value": ms, "unit": "ms/token"})
     ns.json.parent.mkdir(parents=True, exist_ok=True)
     ns.json.write_text(json.dumps({"threads": ns.threads, "tokens": ns.tokens, "rows": ROWS}, indent=2))
     print(f"\nwrote {ns.json}")

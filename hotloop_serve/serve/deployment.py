@@ -140,6 +140,26 @@ class ModelReplica(ModelServicer):
                 seen.setdefault(session.id, session)
         return list(seen.values())
 
+    async def running_replicas(self) -> dict[str, int]:
+        """Serve's count of RUNNING replicas of every app (a model's app is named after it)."""
+
+        def count() -> dict[str, int]:
+            try:
+                apps = serve.status().applications
+            except Exception:  # the controller is unreachable: the configured counts stand
+                return {}
+            return {
+                name: sum(
+                    n
+                    for d in app.deployments.values()
+                    for st, n in d.replica_states.items()
+                    if str(st).endswith("RUNNING")
+                )
+                for name, app in apps.items()
+            }
+
+        return await asyncio.to_thread(count)
+
     def _running_replicas(self) -> int:
         try:
             app = serve.status().applications[self._app]

@@ -218,8 +218,17 @@ class ModelServicer:
         )
 
     # -- ModelService ------------------------------------------------------------------
-    def model_info(self) -> mpb.ModelInfo:
+    async def running_replicas(self) -> dict[str, int]:
+        """Replicas running now, by model; overridden where Serve runs them (empty: not known)."""
+        return {}
+
+    @staticmethod
+    def _configured_replicas(model: ModelConfig) -> int:
+        return model.autoscaling.min_replicas if model.autoscaling else model.replicas
+
+    def model_info(self, running: dict[str, int] | None = None) -> mpb.ModelInfo:
         meta = self.engine.model.metadata
+        replicas = (running or {}).get(self.model.name) or self._configured_replicas(self.model)
         return mpb.ModelInfo(
             name=self.model.name,
             architecture=meta.architecture,
@@ -231,15 +240,20 @@ class ModelServicer:
             parameters=meta.parameters,
             size_bytes=meta.size_bytes,
             vocab_size=meta.vocab_size,
-            replicas=self.model.autoscaling.min_replicas if self.model.autoscaling else self.model.replicas,
+            replicas=replicas,
         )
 
     @unary(mpb.ListModelsResponse)
     async def ListModels(self, request: mpb.ListModelsRequest, principal: str, span: RpcSpan) -> mpb.ListModelsResponse:
+        running = await self.running_replicas()
         models = [
-            self.model_info()
+            self.model_info(running)
             if m.name == self.model.name
-            else mpb.ModelInfo(name=m.name, replicas=m.replicas, context_length=m.engine.session_context_tokens)
+            else mpb.ModelInfo(
+                name=m.name,
+                replicas=running.get(m.name) or self._configured_replicas(m),
+                context_length=m.engine.session_context_tokens,
+            )
             for m in self.config.models
         ]
         return mpb.ListModelsResponse(models=models)
@@ -247,7 +261,7 @@ class ModelServicer:
     @unary(mpb.ModelInfo)
     async def GetModel(self, request: mpb.GetModelRequest, principal: str, span: RpcSpan) -> mpb.ModelInfo:
         self._check_model(request.model)
-        return self.model_info()
+        return self.model_info(await self.running_replicas())
 
     @unary(mpb.TokenizeResponse)
     async def Tokenize(self, request: mpb.TokenizeRequest, principal: str, span: RpcSpan) -> mpb.TokenizeResponse:

@@ -671,6 +671,15 @@ def test_the_proxy_message_limit_follows_the_largest_request_limit(tmp_path: Pat
 
 
 @needs_helm
+def test_every_ray_pod_slows_serves_loops_as_the_local_server_does() -> None:
+    from hotloop_serve.serve.runner import RAY_BACKGROUND_ENV
+
+    for name, _, tmpl in pod_templates(rayservice("default")):
+        env = env_of(tmpl["spec"]["containers"][0])
+        assert {k: env[k]["value"] for k in RAY_BACKGROUND_ENV} == RAY_BACKGROUND_ENV, name
+
+
+@needs_helm
 def test_pod_disruption_budget_selects_the_workers() -> None:
     (pdb,) = docs_of(render("default"), "PodDisruptionBudget")
     selector = pdb["spec"]["selector"]["matchLabels"]

@@ -11,7 +11,7 @@ import ray
 from hotloop.v1 import session_pb2, session_pb2_grpc
 from hotloop_client import Chunk, Client, Message, Role, Session, Settings, TurnInterrupted
 
-from .conftest import DUO, Server, wait_until_every_replica_serves
+from .conftest import DUO, SINGLE, Server, wait_until_every_replica_serves
 
 pytestmark = pytest.mark.integration
 SETTINGS = Settings(temperature=0, sample_len=12)
@@ -68,6 +68,14 @@ def test_follow_ups_land_on_the_owner_and_reuse_its_cache(client: Client, concur
     assert share >= 0.99
     replicas = {r[0].served_by.replica for r in results}  # type: ignore[union-attr]
     assert len(replicas) == 2  # sessions spread over both replicas
+
+
+def test_models_report_the_replicas_running(client: Client) -> None:
+    """Serve runs the replica counts (`hotloop-serve apply` changes them in place): ModelInfo
+    reports what runs, not the count in the config a replica was built from."""
+    running = {m.name: m.replicas for m in client.list_models()}
+    assert running[DUO] == 2 and running[SINGLE] == 1
+    assert client.model(DUO).info().replicas == 2
 
 
 def test_create_session_without_a_key_lands_on_the_owner(server: Server) -> None:

@@ -104,7 +104,7 @@ class ModelInfo(_message.Message):
     size_bytes: _builtins.int
     vocab_size: _builtins.int
     replicas: _builtins.int
-    """configured replicas (or autoscaling minimum)"""
+    """replicas running now (the configured count, or autoscaling minimum, where unknown)"""
     def __init__(
         self,
         *,
