@@ -8,6 +8,8 @@ fixed 64-token replies, prompts prefilled first so every row measures decoding):
 2. the engine in-process (``Engine``)
 3. the servicer in-process (``ModelServicer.Generate``, asyncio, no Ray, no gRPC)
 4. the full stack: Python SDK (asyncio) -> Ray Serve's gRPC proxy -> replica -> engine
+5. through the full stack, one session's gaps between chunks, p50 and p99: decoding alone,
+   then while three new sessions arrive with ~1,500-token prompts (ratio: to alone)
 
 with the ratio of each to the engine. The full stack runs with our Ray Serve loop intervals
 (``runner.RAY_BACKGROUND_ENV``) and once more with Ray's stock ones (their same-run
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import secrets
@@ -122,7 +125,10 @@ def cpu_seconds(procs: list[psutil.Process]) -> float:
     return total
 
 
-def stack_rates(tokens: int, threads: int, coalesce_ms: float = 0.0) -> dict[int, tuple[float, dict[str, float]]]:
+def stack_rates(
+    tokens: int, threads: int, coalesce_ms: float = 0.0, gaps: dict[str, list[float]] | None = None
+) -> dict[int, tuple[float, dict[str, float]]]:
+    """Full-stack decode rate and CPU per token at each width; fills ``gaps`` if given."""
     from hotloop_client import AsyncClient, Message, Role, Settings
 
     from hotloop_serve.config import config_from_dict
@@ -182,9 +188,57 @@ def stack_rates(tokens: int, threads: int, coalesce_ms: float = 0.0) -> dict[int
 
         for n in WIDTHS:
             results[n] = asyncio.run(run(n))
+        if gaps is not None:
+            gaps.update(asyncio.run(inter_token_gaps(address)))
     finally:
         stop_server()
     return results
+
+
+async def inter_token_gaps(address: str, cold: int = 3, tokens: int = 96) -> dict[str, list[float]]:
+    """One session's gaps between chunks (ms): decoding alone, then while ``cold`` other
+    sessions arrive with ~1,500-token prompts to prefill (a chat's first turns)."""
+    from hotloop_client import AsyncClient
+
+    async with AsyncClient(address) as client:
+        model = client.model("stack")
+        return {
+            "alone": await gaps_of_one(model, "alone", 0, tokens),
+            f"while {cold} sessions prefill": await gaps_of_one(model, "busy", cold, tokens),
+        }
+
+
+async def gaps_of_one(model: Any, label: str, others: int, tokens: int) -> list[float]:
+    from hotloop_client import Message, Role, Settings
+
+    long_prompt = " ".join(f"{FIXED_PROMPT} ({i})" for i in range(60))  # 1,550 tokens
+    s = await model.new_session(settings=Settings(temperature=0, sample_len=tokens, repeat_penalty=1.0))
+    history = [Message(Role.USER, f"{FIXED_PROMPT} (gaps {label})")]
+    await s.warmup(history)
+    newcomers = [await model.new_session(settings=Settings(sample_len=1)) for _ in range(others)]
+    arrivals: list[float] = []
+    started = asyncio.Event()
+
+    async def decode() -> None:
+        async for _ in s.generate(history):
+            arrivals.append(time.perf_counter())
+            started.set()
+
+    async def prefill(i: int) -> None:
+        await started.wait()
+        await asyncio.sleep(0.2 * i)  # staggered, as users arrive
+        async for _ in newcomers[i].generate([Message(Role.USER, f"{long_prompt} [{label} {i}]")]):
+            pass
+
+    await asyncio.gather(decode(), *(prefill(i) for i in range(others)))
+    for x in (s, *newcomers):
+        await x.close()
+    return [(b - a) * 1e3 for a, b in itertools.pairwise(arrivals)]
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 def main() -> int:
@@ -220,8 +274,9 @@ def main() -> int:
         saved = {k: os.environ.get(k) for k in RAY_STOCK_ENV}
         if variant:
             os.environ.update(RAY_STOCK_ENV)
+        gaps: dict[str, list[float]] | None = {} if not variant and coalesce == ns.coalesce_ms[0] else None
         try:
-            rates = stack_rates(ns.tokens, ns.threads, coalesce)
+            rates = stack_rates(ns.tokens, ns.threads, coalesce, gaps)
         finally:
             for k, v in saved.items():
                 if v is None:
@@ -234,6 +289,11 @@ def main() -> int:
             for who, ms in cpu.items():
                 print(f"|   {'CPU ms per token: ' + who:<56} | {ms:>9.2f} ms     |         |")
                 ROWS.append({"name": f"cpu {n} {label} {who}", "value": ms, "unit": "ms/token"})
+        for label, values in (gaps or {}).items():
+            alone = (gaps or {}).get("alone")
+            for q in (0.5, 0.99):
+                base = percentile(alone, q) if alone and label != "alone" else None
+                row(f"5. inter-token gap p{round(q * 100)}, {label}", percentile(values, q), "ms", base)
     ns.json.parent.mkdir(parents=True, exist_ok=True)
     ns.json.write_text(json.dumps({"threads": ns.threads, "tokens": ns.tokens, "rows": ROWS}, indent=2))
     print(f"\nwrote {ns.json}")

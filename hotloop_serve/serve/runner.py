@@ -23,8 +23,13 @@ detection, autoscaling and deploys react up to 0.4 s later. Set in the environme
 the Helm chart sets the same values (a test checks they agree)."""
 
 
-def start_server(config: Config, address: str | None = None, num_cpus: int | None = None) -> None:
+def start_server(
+    config: Config, address: str | None = None, num_cpus: int | None = None, proxy_location: str | None = None
+) -> None:
     """Start (or join, with ``address``) a Ray cluster, Serve with its gRPC proxy, and every model.
+
+    ``proxy_location`` is Serve's (default: a proxy on every node, each pod has its own address);
+    ``"HeadOnly"`` where the nodes share one host's ports (a cluster simulated on one machine).
 
     The models are deployed declaratively (``declarative.py``), as ``hotloop-serve apply``
     later changes them: replica counts and autoscaling bounds then change in place.
@@ -47,6 +52,7 @@ def start_server(config: Config, address: str | None = None, num_cpus: int | Non
             namespace="hotloop",
         )
     serve.start(
+        proxy_location=proxy_location,
         http_options=HTTPOptions(host=config.server.host, port=config.server.http_port),
         grpc_options=gRPCOptions(
             port=config.server.grpc_port,
