@@ -125,6 +125,11 @@ def test_turn_interrupted_keeps_partial_text() -> None:
         (grpc.StatusCode.UNAVAILABLE, "", True),
         (grpc.StatusCode.INTERNAL, "ray.exceptions.ActorDiedError: ...", True),
         (grpc.StatusCode.INTERNAL, "RayActorError: The actor died", True),
+        (  # a lost node (seen in bench/multinode.py)
+            grpc.StatusCode.INTERNAL,
+            "The actor 4db3 is unavailable: The actor is temporarily unavailable: RpcError: Socket closed",
+            True,
+        ),
         (grpc.StatusCode.INTERNAL, "Replica r-1 is unhealthy", True),
         (grpc.StatusCode.INTERNAL, "KeyError: 'x'", False),
         (grpc.StatusCode.NOT_FOUND, "replica", False),

@@ -131,7 +131,13 @@ def backoff(retry_delay: float, attempt: int, rng: Callable[[], float] = random.
     return full / 2 + rng() * full / 2
 
 
-_ACTOR_DIED_MARKERS = ("actor died", "actordiederror", "rayactorerror", "replica")
+_ACTOR_DIED_MARKERS = (
+    "actor died",
+    "actordiederror",
+    "rayactorerror",
+    "replica",
+    "actor is temporarily unavailable",  # its node was lost (ActorUnavailableError)
+)
 
 
 def is_failover(code: grpc.StatusCode, details: str) -> bool:

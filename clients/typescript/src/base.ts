@@ -116,7 +116,13 @@ export function backoffMs(retryDelayMs: number, attempt: number, random: () => n
   return full / 2 + (random() * full) / 2;
 }
 
-const ACTOR_DIED_MARKERS = ["actor died", "actordiederror", "rayactorerror", "replica"];
+const ACTOR_DIED_MARKERS = [
+  "actor died",
+  "actordiederror",
+  "rayactorerror",
+  "replica",
+  "actor is temporarily unavailable", // its node was lost (ActorUnavailableError)
+];
 
 /**
  * Whether a failure means "the replica went away", so the same request may be re-sent.

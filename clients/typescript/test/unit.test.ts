@@ -82,6 +82,7 @@ describe("wire helpers", () => {
   test("failover: UNAVAILABLE, or INTERNAL that says a Ray actor died", () => {
     assert.ok(base.isFailover(Status.UNAVAILABLE, ""));
     assert.ok(base.isFailover(Status.INTERNAL, "ray.exceptions.ActorDiedError: The actor died unexpectedly"));
+    assert.ok(base.isFailover(Status.INTERNAL, "The actor 4db3 is unavailable: The actor is temporarily unavailable"));
     assert.ok(base.isFailover(Status.INTERNAL, "RayActorError: ..."));
     assert.ok(base.isFailover(Status.INTERNAL, "the actor died"));
     assert.ok(!base.isFailover(Status.INTERNAL, "KeyError: 'x'"));
