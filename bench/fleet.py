@@ -13,6 +13,11 @@ the sessions chat concurrently until Serve adds a replica (the sessions it now o
 fetched on first use), then go idle until Serve removes one (it hands its sessions over);
 each session's follow-up is then timed on the one replica left.
 
+The last two rows change the replica count in place, 2 -> 3 then 3 -> 2 (the declarative
+deploy ``hotloop-serve apply`` uses: the other replicas stay), and count the sessions whose
+follow-up moved to another replica: fetched from the old owner on scale-out, handed over by
+the leaving replica on scale-in.
+
 Run: ``.venv/bin/python bench/fleet.py [--sessions 6] [--json bench/results/fleet.json]``.
 """
 
@@ -41,7 +46,7 @@ APP = "fleet"
 GREEDY = Settings(temperature=0, sample_len=8, repeat_penalty=1.0)
 
 
-def config(port: int, handover: bool, generation: int) -> Config:
+def config(port: int, handover: bool, generation: int, replicas: int = 2) -> Config:
     return config_from_dict(
         {
             "server": {"grpc_port": port, "http_port": free_port()},
@@ -49,7 +54,7 @@ def config(port: int, handover: bool, generation: int) -> Config:
             "models": [
                 {
                     "name": APP,
-                    "replicas": 2,
+                    "replicas": replicas,
                     "engine": {"context_tokens": 8192, "session_context_tokens": 2048, "hot_sessions": 8,
                                "threads": 1, "seed": generation},
                     "resources": {"num_cpus": 0.5},
@@ -143,6 +148,42 @@ def autoscaled(address: str, port: int, sessions: int) -> dict[str, Any]:
     }
 
 
+def scaled(address: str, port: int, sessions: int) -> dict[str, dict[str, Any]]:
+    """2 -> 3 -> 2 replicas changed in place (as ``hotloop-serve apply`` does): after each
+    change, every session's follow-up, counted for the sessions whose turn moved replica."""
+    from hotloop_serve.serve.declarative import deploy
+
+    deploy(config(port, True, 1, replicas=2))
+    rows: dict[str, dict[str, Any]] = {}
+    with Client(address) as client:
+        ss = [client.model(APP).new_session(settings=GREEDY) for _ in range(sessions)]
+        transcripts = [list(history(i)) for i in range(sessions)]
+        owners: list[str] = []
+        for i, s in enumerate(ss):
+            chunks = list(s.generate(transcripts[i]))
+            transcripts[i].append(Message(Role.ASSISTANT, "".join(c.text for c in chunks)))
+            assert chunks[-1].served_by
+            owners.append(chunks[-1].served_by.replica)
+        for label, n in (("scale-out 2 -> 3 in place, sessions that moved", 3),
+                         ("scale-in 3 -> 2 in place, sessions that moved", 2)):  # fmt: skip
+            deploy(config(port, True, 1, replicas=n))
+            time.sleep(3)  # the routers hear of the change
+            shares, ttft = [], []
+            for i, s in enumerate(ss):
+                transcripts[i].append(Message(Role.USER, f"Question {n}: which items are boats?"))
+                chunks = list(s.generate(transcripts[i]))
+                transcripts[i].append(Message(Role.ASSISTANT, "".join(c.text for c in chunks)))
+                last = chunks[-1]
+                assert last.usage and last.timings and last.served_by
+                if last.served_by.replica != owners[i]:
+                    shares.append((last.usage.cached_tokens + last.usage.restored_tokens) / last.usage.prompt_tokens)
+                    ttft.append(last.timings.time_to_first_token_ms)
+                owners[i] = last.served_by.replica
+            rows[label] = {"cached_share": shares, "ttft_ms": ttft}
+    serve.delete(APP)
+    return rows
+
+
 def history(i: int) -> list[Message]:
     notes = " ".join(f"Item {j} of list {i} is a {['cat', 'boat', 'tree'][j % 3]}." for j in range(60))
     return [Message(Role.USER, f"Remember list {i}: {notes}")]
@@ -173,6 +214,13 @@ def run(address: str, port: int, sessions: int, handover: bool | None) -> dict[s
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sessions", type=int, default=6)
+    ap.add_argument(
+        "--rows",
+        nargs="*",
+        default=["replace", "autoscale", "scale"],
+        choices=["replace", "autoscale", "scale"],
+        help="which fleet changes to measure besides the hot baseline (default: all)",
+    )
     ap.add_argument("--json", type=Path, default=Path(__file__).parent / "results" / "fleet.json")
     ns = ap.parse_args()
     os.environ.setdefault("HOTLOOP_SESSION_SECRET", secrets.token_urlsafe(32))
@@ -184,10 +232,15 @@ def main() -> int:
     try:
         wait_until_serving(address, [APP], timeout_s=300)
         serve.delete(APP)
-        for label, mode in (("hot follow-up, no fleet change", None), ("every replica replaced, hand-over on", True),
-                            ("every replica replaced, hand-over off", False)):  # fmt: skip
-            results[label] = run(address, port, ns.sessions, mode)
-        results["autoscaled 1 -> 2 under load -> 1 when idle"] = autoscaled(address, port, ns.sessions)
+        results["hot follow-up, no fleet change"] = run(address, port, ns.sessions, None)
+        if "replace" in ns.rows:
+            for label, mode in (("every replica replaced, hand-over on", True),
+                                ("every replica replaced, hand-over off", False)):  # fmt: skip
+                results[label] = run(address, port, ns.sessions, mode)
+        if "autoscale" in ns.rows:
+            results["autoscaled 1 -> 2 under load -> 1 when idle"] = autoscaled(address, port, ns.sessions)
+        if "scale" in ns.rows:
+            results.update(scaled(address, port, ns.sessions))
     finally:
         stop_server()
     hot = statistics.median(results["hot follow-up, no fleet change"]["ttft_ms"])
@@ -196,6 +249,9 @@ def main() -> int:
     print(head + f" {'median TTFT':>12} | {'vs hot':>7} |")
     print(f"|{'-' * 46}|{'-' * 24}|{'-' * 15}|{'-' * 14}|{'-' * 9}|")
     for label, r in results.items():
+        if not r["cached_share"]:
+            print(f"| {label:<44} | {'no session moved':>22} |")
+            continue
         ok = sum(s >= 0.9 for s in r["cached_share"])
         med = statistics.median(r["ttft_ms"])
         share = statistics.median(r["cached_share"])

@@ -26,7 +26,7 @@ import time
 from typing import Any
 
 from hotloop_serve.config import Config, ModelConfig
-from hotloop_serve.serve.app import BUILDER_IMPORT_PATH, max_ongoing_requests
+from hotloop_serve.serve.app import BUILDER_IMPORT_PATH, max_ongoing_requests, session_secret
 
 FLEET_FIELDS = ("replicas", "autoscaling", "routing.max_ongoing_requests")
 """The model fields Serve applies in place (they never reach a replica's code version)."""
@@ -110,6 +110,7 @@ def deploy(config: Config, timeout_s: float = 600) -> None:
 
     Live declarative apps not in ``config`` are removed (a fresh server has none).
     """
+    session_secret(config)  # the builder sees one replica per app (fleet fields left out): check here
     apps = applications(config)
     submit(apps)
     wait_converged(apps, gone=set(), timeout_s=timeout_s)

@@ -12,6 +12,7 @@ from hotloop_serve.config import AuthConfig, config_from_dict
 from hotloop_serve.errors import InvalidArgument, NotFound, Unauthenticated
 from hotloop_serve.serve.app import preflight, session_secret
 from hotloop_serve.serve.auth import MIN_TOKEN_LENGTH, Authenticator, describe_tokens, is_local_peer, load_tokens
+from hotloop_serve.serve.declarative import deploy
 from hotloop_serve.serve.session_ids import SessionIds
 
 ALICE = "alice-token-0123456789"
@@ -158,6 +159,8 @@ def test_several_replicas_without_a_secret_are_refused(monkeypatch: pytest.Monke
             session_secret(config)
         with pytest.raises(ValueError, match=model["name"]):
             preflight(config)
+        with pytest.raises(ValueError, match=model["name"]):  # before anything reaches Ray
+            deploy(config)
     monkeypatch.setenv("HOTLOOP_SESSION_SECRET", "s" * 40)
     assert session_secret(config_from_dict({"models": [{"name": "b", "replicas": 2}]})) == "s" * 40
 
