@@ -52,7 +52,7 @@ export interface ModelInfo {
   parameters: bigint;
   sizeBytes: bigint;
   vocabSize: number;
-  /** configured replicas (or autoscaling minimum) */
+  /** replicas running now (the configured count, or autoscaling minimum, where unknown) */
   replicas: number;
 }
 
