@@ -43,13 +43,15 @@ from hotloop_serve.serve.probe import free_port, wait_until_serving
 from hotloop_serve.serve.runner import start_server, stop_server
 
 APP = "fleet"
+HTTP_PORT = free_port()
+"""One for the whole run: a config that differs in anything but its fleet fields rolls the replicas."""
 GREEDY = Settings(temperature=0, sample_len=8, repeat_penalty=1.0)
 
 
 def config(port: int, handover: bool, generation: int, replicas: int = 2) -> Config:
     return config_from_dict(
         {
-            "server": {"grpc_port": port, "http_port": free_port()},
+            "server": {"grpc_port": port, "http_port": HTTP_PORT},
             "telemetry": {"enabled": False},
             "models": [
                 {
