@@ -17,8 +17,9 @@ RAY_BACKGROUND_ENV = {
 }
 """Ray Serve's own loops, slowed from 0.1 s and 100 ms. On a CPU machine llama.cpp's threads
 keep every core busy, and each slice another process takes stalls them all at their next
-barrier: at idle these loops cost 91 ms of CPU per second, 45 with these values, and the full
-stack decoded 4 points closer to the engine (``bench/stack.py`` measures both). Failure
+barrier: at idle these loops cost 91 ms of CPU per second, 45 with these values. Under load
+the effect on the full stack is within run-to-run noise (``bench/stack.py`` measures both in
+one run: +8/+3 points of the engine's rate at 1/8 sessions in one run, -1/-2 in another). Failure
 detection, autoscaling and deploys react up to 0.4 s later. Set in the environment to override;
 the Helm chart sets the same values (a test checks they agree)."""
 
