@@ -75,6 +75,19 @@ def primitive_isolated(tokens: int, threads: int, width: int) -> float:
     return float(out.stdout.strip().splitlines()[-1])
 
 
+def primitive_context(model: Any, threads: int) -> tuple[Any, Any]:
+    """A raw llama.cpp context shaped as the engine's (16k cells, 8 sequences, 512-token
+    batches, unified KV, full-size SWA cache, flash attention) and a 512-token batch."""
+    import llama_cpp as ll
+
+    params = ll.llama_context_default_params()
+    params.n_ctx, params.n_batch, params.n_ubatch, params.n_seq_max = 16384, 512, 512, 8
+    params.n_threads = params.n_threads_batch = threads
+    params.kv_unified, params.swa_full, params.no_perf = True, True, True
+    params.flash_attn_type = ll.LLAMA_FLASH_ATTN_TYPE_ENABLED
+    return ll.llama_init_from_model(model.ptr, params), ll.llama_batch_init(512, 0, 1)
+
+
 def primitive(path: Path, tokens: int, threads: int, widths: tuple[int, ...] = WIDTHS) -> dict[int, float]:
     """llama.cpp's low-level batched loop: n sequences, one token each per llama_decode, greedy.
 
@@ -89,13 +102,7 @@ def primitive(path: Path, tokens: int, threads: int, widths: tuple[int, ...] = W
     engine_tokens = None
     results: dict[int, float] = {}
     for n in widths:
-        params = ll.llama_context_default_params()
-        params.n_ctx, params.n_batch, params.n_ubatch, params.n_seq_max = 16384, 512, 512, 8
-        params.n_threads = params.n_threads_batch = threads
-        params.kv_unified, params.swa_full, params.no_perf = True, True, True
-        params.flash_attn_type = ll.LLAMA_FLASH_ATTN_TYPE_ENABLED
-        ctx = ll.llama_init_from_model(model.ptr, params)
-        batch = ll.llama_batch_init(512, 0, 1)
+        ctx, batch = primitive_context(model, threads)
         samplers = []
         last = []
         for seq in range(n):
@@ -135,13 +142,7 @@ def primitive_prefill(path: Path, threads: int, tokens: int = 2048, sequences: i
     from hotloop_serve.engine.model import Model
 
     model = Model(path, repack=False)
-    params = ll.llama_context_default_params()
-    params.n_ctx, params.n_batch, params.n_ubatch, params.n_seq_max = 16384, 512, 512, 8
-    params.n_threads = params.n_threads_batch = threads
-    params.kv_unified, params.swa_full, params.no_perf = True, True, True
-    params.flash_attn_type = ll.LLAMA_FLASH_ATTN_TYPE_ENABLED
-    ctx = ll.llama_init_from_model(model.ptr, params)
-    batch = ll.llama_batch_init(512, 0, 1)
+    ctx, batch = primitive_context(model, threads)
     text = " ".join(f"{FIXED_PROMPT} ({i})" for i in range(400))
     history = [model.bos, *model.tokenize(text)][:tokens]
     assert len(history) == tokens, "the filler text is too short"

@@ -30,6 +30,19 @@ TRANSFER_TIMEOUT_S = 3.0
 """Longest wait for one session's transfer between replicas; past it the cache is rebuilt."""
 
 
+def _running_by_app() -> dict[str, int]:
+    """RUNNING replicas of every Serve app, from the controller (each app has one deployment)."""
+    return {
+        name: sum(
+            n
+            for d in app.deployments.values()
+            for state, n in d.replica_states.items()
+            if str(state).endswith("RUNNING")
+        )
+        for name, app in serve.status().applications.items()
+    }
+
+
 def _runner_up(key: str, ranks: list[str], owner: str) -> int:
     """Index in ``ranks`` of the replica that takes ``key``'s sessions when ``owner`` is gone."""
     others = [r for r in ranks if r != owner]
@@ -142,29 +155,14 @@ class ModelReplica(ModelServicer):
 
     async def running_replicas(self) -> dict[str, int]:
         """Serve's count of RUNNING replicas of every app (a model's app is named after it)."""
-
-        def count() -> dict[str, int]:
-            try:
-                apps = serve.status().applications
-            except Exception:  # the controller is unreachable: the configured counts stand
-                return {}
-            return {
-                name: sum(
-                    n
-                    for d in app.deployments.values()
-                    for st, n in d.replica_states.items()
-                    if str(st).endswith("RUNNING")
-                )
-                for name, app in apps.items()
-            }
-
-        return await asyncio.to_thread(count)
+        try:
+            return await asyncio.to_thread(_running_by_app)
+        except Exception:  # the controller is unreachable: the configured counts stand
+            return {}
 
     def _running_replicas(self) -> int:
         try:
-            app = serve.status().applications[self._app]
-            states = app.deployments[self._deployment].replica_states
-            return int(sum(n for state, n in states.items() if str(state).endswith("RUNNING")))
+            return _running_by_app().get(self._app, 1)
         except Exception:  # the controller is unreachable: this replica's own answer is better than none
             return 1
 
