@@ -43,7 +43,9 @@ def integration_config(port: int) -> Config:
     )
 
 
-def wait_until_every_replica_serves(address: str, model: str, replicas: int, timeout_s: float) -> None:
+def wait_until_every_replica_serves(
+    address: str, model: str, replicas: int, timeout_s: float, token: str | None = None
+) -> None:
     """Block until each of ``model``'s replicas both owns a new session and serves its turn.
 
     The health check proves one replica answers; right after start the proxy's router may not
@@ -52,7 +54,7 @@ def wait_until_every_replica_serves(address: str, model: str, replicas: int, tim
     """
     seen: set[int] = set()
     deadline = time.monotonic() + timeout_s
-    with Client(address) as c:
+    with Client(address, token=token) as c:
         m = c.model(model)
         while len(seen) < replicas:
             if time.monotonic() > deadline:

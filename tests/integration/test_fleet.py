@@ -19,7 +19,7 @@ from ray import serve
 from hotloop_serve.config import config_from_dict
 from hotloop_serve.serve.app import model_app
 
-from .conftest import Server
+from .conftest import Server, wait_until_every_replica_serves
 
 pytestmark = pytest.mark.integration
 APP = "gemma-fleet"
@@ -58,6 +58,7 @@ def history(i: int) -> list[Message]:
 
 def cached_share_after_replacement(server: Server, handover: bool) -> dict[str, Any]:
     deploy(server, handover, 1)
+    wait_until_every_replica_serves(server.address, APP, replicas=2, timeout_s=180)
     with Client(server.address) as client:
         sessions = [client.model(APP).new_session(settings=GREEDY) for _ in range(6)]
         replies = ["".join(c.text for c in s.generate(history(i))) for i, s in enumerate(sessions)]

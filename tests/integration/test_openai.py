@@ -23,7 +23,7 @@ from hotloop_client import Client, InvalidArgument, Message, Role, Settings
 
 from hotloop_serve.config import Config, config_from_dict
 
-from .conftest import Server
+from .conftest import Server, wait_until_every_replica_serves
 
 pytestmark = pytest.mark.integration
 
@@ -73,6 +73,7 @@ def http(server: Server) -> Iterator[Http]:
         for m in config.models:
             serve.run(model_app(config, m, secret), name=m.name, route_prefix=f"/{m.name}")
         wait_until_serving(server.address, [MODEL, OTHER], timeout_s=300)
+        wait_until_every_replica_serves(server.address, MODEL, replicas=2, timeout_s=180, token=ALICE)
         http_port = config.server.http_port
         yield Http(f"http://127.0.0.1:{http_port}/{MODEL}/v1", server.address, config)
     finally:

@@ -26,7 +26,7 @@ from ray import serve
 from hotloop_serve.config import Config, config_from_dict
 from hotloop_serve.serve.app import model_app
 
-from .conftest import DUO, Server
+from .conftest import DUO, Server, wait_until_every_replica_serves
 
 pytestmark = pytest.mark.integration
 APP = "gemma-sessions"
@@ -65,6 +65,7 @@ def sessions_duo(server: Server) -> Iterator[str]:
     """Two replicas with bearer tokens, for listing a principal's sessions across replicas."""
     config = app_config(server, None, LIST_APP, replicas=2)
     serve.run(model_app(config, config.models[0], SECRET), name=LIST_APP, route_prefix=f"/{LIST_APP}")
+    wait_until_every_replica_serves(server.address, LIST_APP, replicas=2, timeout_s=180, token=TOKENS["alice"])
     yield server.address
     if serve.status().applications.get(LIST_APP) is not None:
         serve.delete(LIST_APP)
