@@ -9,6 +9,9 @@
     (f16, q8_0) at 8 sessions x ~1,000-token contexts: tok/s, KV MiB per session, greedy
     agreement with the default
 0d. a hot follow-up's TTFT while a 4,000-token cold prompt prefills, vs alone
+0e. one session's time between tokens (p50/p99) while 3 newcomers prefill ~1,500-token
+    prompts, and the newcomers' mean TTFT, per ``step_target_ms`` (0 = fixed prefill chunk,
+    the baseline): the pacing trade-off, both sides
 1. raw ``llama_cpp.Llama`` single-stream decode tokens/s (the high-level baseline)
 2. engine single-stream decode tokens/s
 3. engine aggregate tokens/s with 1, 2, 4, 8 concurrent sessions
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import subprocess
 import sys
@@ -275,6 +279,53 @@ def ttft_during_cold_prefill(path: Path, threads: int) -> list[dict[str, Any]]:
     ]
 
 
+def gaps_while_others_prefill(path: Path, threads: int, target_ms: float, newcomers: int = 3) -> dict[str, float]:
+    """A decoding session's gaps between chunks while ``newcomers`` cold prompts prefill."""
+    import statistics
+    import threading
+
+    opts = EngineOptions(threads=threads, context_tokens=16384, step_target_ms=target_ms)
+    decode = SamplingSettings(temperature=0, sample_len=4096, repeat_penalty=1.0)
+    short = SamplingSettings(temperature=0, sample_len=2, repeat_penalty=1.0)
+    with Engine(str(path), opts) as e:
+        stream = e.generate("reader", "bench", [ChatMessage("user", "Count slowly from one.")], decode)
+        stamps: list[float] = []
+        reading = threading.Thread(target=lambda: stamps.extend(time.perf_counter() for _ in stream), daemon=True)
+        reading.start()
+        time.sleep(1.5)  # the reader decodes alone: its steps are measured
+        t0 = time.perf_counter()
+        cold = [
+            e.generate(f"new{i}", f"other{i}", [ChatMessage("user", f"Letter {i}. {LONG_TEXT} Summarise.")], short)
+            for i in range(newcomers)
+        ]
+        results = [c.result() for c in cold]
+        t1 = time.perf_counter()
+        stream.cancel()
+        reading.join(timeout=10)
+    during = [b - a for a, b in itertools.pairwise(stamps) if a >= t0 and b <= t1]
+    ttfts = [r.timings.time_to_first_token_ms for r in results if r.timings]
+    prompt = results[0].usage.prompt_tokens if results[0].usage else 0
+    q = statistics.quantiles(during, n=100) if len(during) > 1 else [0.0] * 99
+    return {"p50": q[49] * 1e3, "p99": q[98] * 1e3, "ttft": statistics.fmean(ttfts), "prompt": prompt}
+
+
+def pacing(path: Path, threads: int) -> list[dict[str, Any]]:
+    base = gaps_while_others_prefill(path, threads, 0.0)
+    rows = [
+        row(f"0e. gap p50, 3 x {base['prompt']:.0f}-token prefills, fixed chunk", base["p50"], "ms"),
+        row("0e. gap p99, same (fixed chunk: baseline)", base["p99"], "ms"),
+        row("0e. newcomers' mean TTFT, same", base["ttft"], "ms"),
+    ]
+    for target in (100.0, EngineOptions().step_target_ms, 250.0):
+        paced = gaps_while_others_prefill(path, threads, target)
+        rows += [
+            row(f"0e. gap p50, step_target_ms={target:.0f}", paced["p50"], "ms", base["p50"]),
+            row(f"0e. gap p99, step_target_ms={target:.0f}", paced["p99"], "ms", base["p99"]),
+            row(f"0e. newcomers' mean TTFT, step_target_ms={target:.0f}", paced["ttft"], "ms", base["ttft"]),
+        ]
+    return rows
+
+
 def raw_llama_decode(path: Path, tokens: int, threads: int) -> float:
     """Baseline: the high-level class, one stream, decode speed after the first token."""
     from llama_cpp import Llama
@@ -389,11 +440,12 @@ def telemetry_overhead(path: Path, tokens: int, threads: int) -> tuple[float, fl
             svc = ModelServicer(config, config.models[0], e, SessionIds(b"k", "m"), Authenticator({}), tel)
 
             async def run(svc: ModelServicer = svc) -> float:
-                sess = await svc.CreateSession(session_pb2.CreateSessionRequest(session_key=f"bench-{time.time_ns()}"))
+                principal = svc.auth.principal([], None)
+                create = session_pb2.CreateSessionRequest(session_key=f"bench-{time.time_ns()}")
+                sess = await svc.CreateSessionFor(create, principal)
                 msgs = [common_pb2.Message(role=common_pb2.ROLE_USER, content="Write a long story about the sea.")]
-                req = session_pb2.GenerateRequest(
-                    session_id=sess.id, messages=msgs, settings={"temperature": 0, "sample_len": tokens}
-                )
+                settings = common_pb2.Settings(temperature=0, sample_len=tokens)
+                req = session_pb2.GenerateRequest(session_id=sess.id, messages=msgs, settings=settings)
                 n = 0
                 t0 = 0.0
                 async for chunk in svc.Generate(req):
@@ -415,7 +467,8 @@ def main() -> int:
     ap.add_argument("--raw-only", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--primitive-only", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--prefill-only", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--only-new", action="store_true", help="only the rows 0-0d (engine vs primitive, options)")
+    ap.add_argument("--only-new", action="store_true", help="only the rows 0-0e (engine vs primitive, options)")
+    ap.add_argument("--pacing-only", action="store_true", help="only the rows 0e (prefill pacing)")
     ap.add_argument("--json", type=Path, default=Path(__file__).parent / "results" / "engine.json")
     ns = ap.parse_args()
     path = embedded_model_path(progress=True)
@@ -431,9 +484,12 @@ def main() -> int:
     print(f"model {path.name}, {ns.threads} threads, {ns.tokens} tokens per reply\n")
     print(f"| {'figure':<52} | {'value':>17} | {'ratio':>7} | {'target':<8} |")
     print(f"|{'-' * 54}|{'-' * 19}|{'-' * 9}|{'-' * 10}|")
+    if ns.pacing_only:
+        return _write(ns, pacing(path, ns.threads))
     rows = engine_vs_primitive(path, ns.tokens, ns.threads)
     rows += layouts(path, 64, ns.threads)
     rows += ttft_during_cold_prefill(path, ns.threads)
+    rows += pacing(path, ns.threads)
     if ns.only_new:
         return _write(ns, rows)
     raw = raw_llama_decode_isolated(ns.tokens, ns.threads)

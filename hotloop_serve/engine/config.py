@@ -34,7 +34,13 @@ class EngineOptions:
     batch_tokens: int = 512
     """Tokens per llama_decode call (llama.cpp's n_batch / n_ubatch)."""
     prefill_chunk: int = 128
-    """Prefill tokens per step while other sessions are decoding, so their streams keep flowing."""
+    """Prefill tokens per prompt and step while other requests share the engine (and per step
+    beside decoding sessions until their step time is measured, or with ``step_target_ms`` 0)."""
+    step_target_ms: float = 150.0
+    """While sessions are decoding, others' prompts join a step only up to what keeps it about
+    this long (sized from measured step times), so a decoding session's time between tokens
+    stays near it while newcomers prefill; a newcomer's prompt then takes more, shorter steps
+    (bench/engine.py row 0e measures both sides). 0 = ``prefill_chunk`` tokens per step."""
     shared_prefix_min_tokens: int = 16
     """Shortest common prefix worth copying from another session of the same owner."""
     threads: int = 0
@@ -81,6 +87,7 @@ class EngineOptions:
             "max_queue": self.max_queue >= 0,
             "batch_tokens": 8 <= self.batch_tokens <= 8192 and self.batch_tokens >= self.hot_sessions,
             "prefill_chunk": 1 <= self.prefill_chunk <= self.batch_tokens,
+            "step_target_ms": 0 <= self.step_target_ms <= 60_000,
             "shared_prefix_min_tokens": self.shared_prefix_min_tokens >= 1,
             "threads": self.threads >= 0,
             "gpu_layers": self.gpu_layers >= -1,

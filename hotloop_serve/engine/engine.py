@@ -161,6 +161,7 @@ class Engine:
             prefill_chunk=opts.prefill_chunk,
             lone_last_token=opts.batch_invariant,
             end=self._end_request,
+            step_target_ms=opts.step_target_ms,
         )
 
         self._lock = threading.Lock()
@@ -344,6 +345,28 @@ class Engine:
         tokens, data = self._call(lambda: self.kv.snapshot(s))
         kv = bytes(data) if data is not None else b""
         return SessionBlob(self.fingerprint, tokens if kv else [], s.settings, kv).encode()
+
+    def adopt_session(self, session_id: str, owner: str, data: bytes) -> bool:
+        """Take a handed-over session, over a copy here that is idle and holds fewer tokens (a
+        stale copy from a turn that spilled here, or settings without a cache); False, keeping
+        what is here, when that copy is busy or at least as long."""
+        tokens = len(SessionBlob.decode(data, self.fingerprint).tokens)
+        with self._lock:
+            s = self._sessions.get(session_id)
+        if s is not None:
+            with self._lock:
+                s = self._sessions.owned(session_id, owner)
+
+            def drop_if_stale() -> bool:
+                if s.busy or s.context_tokens >= tokens:
+                    return False
+                self._forget(s)
+                return True
+
+            if not self._call(drop_if_stale):
+                return False
+        self.import_session(session_id, owner, data)
+        return True
 
     def import_session(
         self,
@@ -750,11 +773,13 @@ class Engine:
                 batch.logits[n - 1] = True
                 outputs.append((req, n - 1))
         batch.n_tokens = n
+        t0 = time.perf_counter()
         rc = ll.llama_decode(self._ctx, batch)
         self._steps += 1
         if rc != 0:
             self._decode_failed(rc)
             return
+        self.scheduler.pacer.observe(len(decoded), n - len(decoded), time.perf_counter() - t0)
         # Update: the batch's tokens are now in the cache.
         for req in decoded:
             assert req.last_token is not None

@@ -16,6 +16,9 @@ Rules, in order of precedence:
   behind a long cold prompt), at most ``prefill_chunk`` tokens per prompt and per step
   whenever another request shares the engine (so a step stays short for whoever waits on it;
   several long prompts still fill the batch together). A prompt alone takes the whole batch.
+  While some requests are decoding, the prefill of a step is paced (:class:`PrefillPacer`):
+  sized from the measured cost of a step so the step lasts about ``step_target_ms``, the
+  decoders' time between tokens; on a fast device that allows more than ``prefill_chunk``.
 - **Memory pressure**: before a step, room for its new tokens is made by evicting idle
   sessions (LRU), then by pre-empting running requests, newest first: their KV goes to host
   RAM and they resume exactly where they were. Nobody fails because others grew.
@@ -58,18 +61,64 @@ class BatchPlan:
         return len(self.decode) + sum(n for _, n in self.prefill)
 
 
+class PrefillPacer:
+    """How many prompt tokens a step may add while others decode, from measured step times.
+
+    A step's time is modelled as ``decode_s + per_token_s * prefill_tokens``: ``decode_s`` is
+    learnt from steps without prefill, ``per_token_s`` from steps with enough prefill to
+    dominate (both as moving averages, so a change of load or context length is followed
+    within a few steps). Without estimates yet, or with ``step_target_ms`` 0, the fixed
+    ``prefill_chunk`` applies. Why time, not tokens: the same token count is 10 ms on a GPU
+    and 400 ms on two CPU cores, and what a decoding user feels is the time between tokens.
+    """
+
+    MIN_TOKENS = 16  # a prompt always advances, even when decoding alone fills the target
+    MEASURED_FROM = 16  # prefill tokens a step needs to say something about the per-token cost
+    WEIGHT = 0.25
+
+    def __init__(self, step_target_ms: float, prefill_chunk: int, batch_tokens: int) -> None:
+        self.target_s = step_target_ms / 1e3
+        self.prefill_chunk = prefill_chunk
+        self.batch_tokens = batch_tokens
+        self.decode_s: float | None = None
+        self.per_token_s: float | None = None
+
+    def observe(self, decode_tokens: int, prefill_tokens: int, seconds: float) -> None:
+        if decode_tokens and not prefill_tokens:
+            self.decode_s = self._mix(self.decode_s, seconds)
+        elif prefill_tokens >= self.MEASURED_FROM:
+            base = self.decode_s if decode_tokens and self.decode_s is not None else 0.0
+            self.per_token_s = self._mix(self.per_token_s, max(seconds - base, 0.0) / prefill_tokens)
+
+    def _mix(self, old: float | None, new: float) -> float:
+        return new if old is None else old + self.WEIGHT * (new - old)
+
+    def budget(self) -> int:
+        """Prefill tokens for the next step with decoders in it."""
+        if not self.target_s or self.per_token_s is None or self.decode_s is None:
+            return self.prefill_chunk
+        room = (self.target_s - self.decode_s) / max(self.per_token_s, 1e-6)
+        return int(min(max(room, self.MIN_TOKENS), self.batch_tokens))
+
+
 def plan_batch(
-    active: Sequence[Schedulable], batch_tokens: int, prefill_chunk: int, lone_last_token: bool = True
+    active: Sequence[Schedulable],
+    batch_tokens: int,
+    prefill_chunk: int,
+    lone_last_token: bool = True,
+    paced_budget: int | None = None,
 ) -> BatchPlan:
     """One step's batch for ``active`` within ``batch_tokens`` tokens.
 
     ``lone_last_token``: the last prompt token of a reply goes alone, like a decode step, so
     the logits of its first token never depend on how the prompt was split (batch invariance).
+    ``paced_budget``: prefill tokens allowed beside decoders (:class:`PrefillPacer`); by
+    default ``prefill_chunk``.
     """
     decode = tuple(i for i, r in enumerate(active) if r.decoding)
     budget = batch_tokens - len(decode)
     if decode:
-        budget = min(budget, prefill_chunk)
+        budget = min(budget, prefill_chunk if paced_budget is None else paced_budget)
     waiting = sorted(
         (i for i, r in enumerate(active) if not r.decoding and r.prefill_remaining > 0),
         key=lambda i: (active[i].prefill_remaining, i),
@@ -84,7 +133,7 @@ def plan_batch(
         if lone_last_token and n > 1 and r.needs_logits:
             n -= 1
         take = min(n, budget)
-        if contended:
+        if contended and not decode:
             take = min(take, prefill_chunk)  # a long prompt never fills a step others are waiting on
         prefill.append((i, take))
         budget -= take
@@ -106,11 +155,13 @@ class Scheduler:
         prefill_chunk: int,
         lone_last_token: bool,
         end: EndRequest,
+        step_target_ms: float = 0.0,
     ) -> None:
         self.kv = kv
         self.max_running = max_running
         self.batch_tokens = batch_tokens
         self.prefill_chunk = prefill_chunk
+        self.pacer = PrefillPacer(step_target_ms, prefill_chunk, batch_tokens)
         self.lone_last_token = lone_last_token
         self._end = end
         self.waiting: deque[Request] = deque()
@@ -124,12 +175,16 @@ class Scheduler:
         """Reap, admit, plan, and make room for the plan; the engine then runs it on ``running``."""
         self.reap()
         self.admit()
-        plan = plan_batch(self.running, self.batch_tokens, self.prefill_chunk, self.lone_last_token)
+        plan = self._plan()
         while plan.new_tokens and not self._make_room(plan.new_tokens):
             if len(self.running) <= 1 or not self.preempt_newest():
                 break  # one request alone always fits; let llama.cpp have the last word
-            plan = plan_batch(self.running, self.batch_tokens, self.prefill_chunk, self.lone_last_token)
+            plan = self._plan()
         return plan
+
+    def _plan(self) -> BatchPlan:
+        paced = self.pacer.budget()
+        return plan_batch(self.running, self.batch_tokens, self.prefill_chunk, self.lone_last_token, paced)
 
     def _make_room(self, tokens: int) -> bool:
         return self.kv.make_room(tokens, [r.session for r in self.running])

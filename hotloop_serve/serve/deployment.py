@@ -17,7 +17,7 @@ from hotloop_serve.engine.settings import SamplingSettings
 from hotloop_serve.errors import HotloopError
 from hotloop_serve.serve.auth import Authenticator, describe_tokens, load_tokens
 from hotloop_serve.serve.model_source import resolve_model_path
-from hotloop_serve.serve.router import rendezvous_order
+from hotloop_serve.serve.router import rank_address, rendezvous_order
 from hotloop_serve.serve.servicer import ModelServicer
 from hotloop_serve.serve.session_ids import SessionIds, new_routing_key, routing_key
 from hotloop_serve.serve.settings_memo import SettingsMemo
@@ -47,6 +47,11 @@ def _runner_up(key: str, ranks: list[str], owner: str) -> int:
     """Index in ``ranks`` of the replica that takes ``key``'s sessions when ``owner`` is gone."""
     others = [r for r in ranks if r != owner]
     return ranks.index(others[rendezvous_order(key, others)[0]])
+
+
+def _at(rank: str) -> spb.ImportSessionRequest:
+    """The first argument of a handle call that the router delivers to the replica of ``rank``."""
+    return spb.ImportSessionRequest(session_key=rank_address(rank))
 
 
 def _key_owned_by(index: int, ranks: list[str]) -> str:
@@ -137,16 +142,11 @@ class ModelReplica(ModelServicer):
         return _key_owned_by(mine, ranks)
 
     async def route_list(self, principal: str) -> list[spb.Session]:
-        """This replica's sessions, and every other replica's: one call per rank, each steered by a
-        key that rank owns (a call to itself through the handle is not made)."""
+        """This replica's sessions, and every other replica's: one call per rank, addressed to
+        it (a call to itself through the handle is not made)."""
         handle = serve.get_deployment_handle(self._deployment, self._app)
-        ranks = await self._ranks()
-        mine = ranks.index(str(self._rank))
-        calls = [
-            handle.ListFor.remote(spb.ImportSessionRequest(session_key=_key_owned_by(i, ranks)), principal)
-            for i in range(len(ranks))
-            if i != mine
-        ]
+        mine = str(self._rank)
+        calls = [handle.ListFor.remote(_at(rank), principal) for rank in await self._ranks() if rank != mine]
         seen = {s.id: s for s in await self.ListFor(spb.ImportSessionRequest(), principal)}
         for sessions in await asyncio.gather(*calls):
             for session in sessions:
@@ -199,11 +199,11 @@ class ModelReplica(ModelServicer):
     # wrong cache (the blob carries the model fingerprint; ids are bound to their principal).
 
     async def AdoptSession(self, target: spb.ImportSessionRequest, principal: str, sid: str, blob: bytes) -> bool:
-        """Take a session handed over by a leaving replica (``target`` steers the router here)."""
-        if self.engine.known(sid):
-            return False  # it is already here: the newer copy wins
+        """Take a session handed over by a leaving replica (``target`` steers the router here);
+        a copy already here wins only if it is busy or at least as long."""
         try:
-            await asyncio.to_thread(self.engine.import_session, sid, principal, blob)
+            if not await asyncio.to_thread(self.engine.adopt_session, sid, principal, blob):
+                return False
         except HotloopError as e:
             log.warning("refused a handed-over session: %s", e.message)
             return False
@@ -258,9 +258,8 @@ class ModelReplica(ModelServicer):
         if owner != mine:
             return  # a spilled call on a third replica: the owner and its runner-up know better
         handle = serve.get_deployment_handle(self._deployment, self._app)
-        probe = spb.ImportSessionRequest(session_key=_key_owned_by(runner_up, ranks))
         try:
-            call = handle.RememberSettings.remote(probe, principal, sid, settings)
+            call = handle.RememberSettings.remote(_at(ranks[runner_up]), principal, sid, settings)
             await asyncio.wait_for(call, TRANSFER_TIMEOUT_S)
             self.fleet["settings_sent"] += 1
         except Exception as e:  # the runner-up is busy or gone: only a hard loss of this owner would need it
@@ -268,26 +267,54 @@ class ModelReplica(ModelServicer):
             log.info("could not send session %s's settings to rank %s: %r", sid[:12], ranks[runner_up], e)
 
     async def adopt_from_previous_owner(self, sid: str, principal: str) -> None:
+        """Fetch a session this replica now owns: from the replica that owned its key before (the
+        runner-up of the ranking), else from any other. Ray renumbers ranks after a downscale,
+        and a leaving replica hands over by the ranks of its moment, so the holder is not always
+        the runner-up; asking the others costs one short call each, only on a session's first
+        turn on its new owner."""
         ranks = await self._ranks()
         mine = str(self._rank)
         key = routing_key(sid)
         if len(ranks) < 2 or ranks[rendezvous_order(key, ranks)[0]] != mine:
             return  # one replica, or not the owner (a spilled turn): nothing to fetch
-        previous = _runner_up(key, ranks, mine)
-        probe = _key_owned_by(previous, ranks)
-        handle = serve.get_deployment_handle(self._deployment, self._app)
+        previous = ranks[_runner_up(key, ranks, mine)]
+        given = await self._ask_to_give(sid, principal, [previous])
+        if not isinstance(given, bytes):
+            found = await self._ask_to_give(sid, principal, [r for r in ranks if r not in (mine, previous)])
+            given = found if isinstance(found, bytes) or given is None else given
         try:
-            call = handle.GiveSession.remote(spb.ImportSessionRequest(session_key=probe), principal, sid)
-            given = await asyncio.wait_for(call, TRANSFER_TIMEOUT_S)
             if isinstance(given, bytes):
                 await asyncio.to_thread(self.engine.import_session, sid, principal, given)
                 self.fleet["fetched"] += 1
-            elif isinstance(given, SamplingSettings):  # no cache there, but the settings survived
+            elif isinstance(given, SamplingSettings):  # no cache anywhere, but the settings survived
                 self.engine.create_session(sid, principal, given)
                 self.settings_changed(sid, principal, given)
-        except Exception as e:  # the previous owner is gone or slow: the history rebuilds the cache
+        except HotloopError as e:  # a foreign or damaged copy: the history rebuilds the cache
             self.fleet["fetch_failures"] += 1
-            log.info("could not fetch session %s from rank %s: %r", sid[:12], ranks[previous], e)
+            log.info("could not adopt session %s: %s", sid[:12], e.message)
+
+    async def _ask_to_give(self, sid: str, principal: str, ranks: list[str]) -> bytes | SamplingSettings | None:
+        """``GiveSession`` on each of ``ranks`` at once: the largest cache given (the longest
+        history: a stale copy of a spilled turn is smaller), else settings, else None."""
+        if not ranks:
+            return None
+        handle = serve.get_deployment_handle(self._deployment, self._app)
+
+        async def ask(rank: str) -> bytes | SamplingSettings | None:
+            try:
+                call = handle.GiveSession.remote(_at(rank), principal, sid)
+                given: bytes | SamplingSettings | None = await asyncio.wait_for(call, TRANSFER_TIMEOUT_S)
+                return given
+            except Exception as e:  # gone or slow: the history rebuilds the cache
+                self.fleet["fetch_failures"] += 1
+                log.info("could not fetch session %s from rank %s: %r", sid[:12], rank, e)
+                return None
+
+        answers = await asyncio.gather(*(ask(r) for r in ranks))
+        blobs = [a for a in answers if isinstance(a, bytes)]
+        if blobs:
+            return max(blobs, key=len)
+        return next((a for a in answers if a is not None), None)
 
     async def hand_over(self, budget_s: float) -> int:
         """Send every cached session to its next owner, most recently used first, within ``budget_s``."""

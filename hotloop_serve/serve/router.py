@@ -21,6 +21,10 @@ Algorithm (rendezvous / highest-random-weight hashing over replica *ranks*):
    one rank meanwhile are told apart deterministically (:func:`replica_names`).
 4. Requests with no key (ListModels, health, a CreateSession without a key) go to all replicas
    in one tier: Ray picks the least loaded of two (power of two choices), spreading new work.
+5. A key ``@<rank>`` (:func:`rank_address`) addresses the replica hashed as that rank, and no
+   other: replicas reach each other so (fetching a session after a fleet change, listing,
+   status). A rank nobody holds yet is waited for (Ray retries), so the caller's timeout
+   bounds it; it never lands on a replica that was not asked (the caller itself included).
 
 Every proxy and every handle computes the same ranking with no shared state. The class is
 pickled by value into Ray's proxies, so it imports only the standard library, Ray and the
@@ -41,6 +45,15 @@ metadata; a larger one from a stock client is routed as keyless (Generate rebuil
 SPILLS = frozenset({"Generate", "OpenAIChat"})
 """The calls that may run on a replica other than the session's owner (each carries the whole
 history: the next-ranked replica rebuilds the cache from it)."""
+
+
+ADDRESS = "@"
+"""Prefix of a key that names a replica's rank instead of a session (no session key has it)."""
+
+
+def rank_address(rank: str) -> str:
+    """The routing key of the replica hashed as ``rank``."""
+    return f"{ADDRESS}{rank}"
 
 
 def _metadata_key(pending_request: PendingRequest) -> str | None:
@@ -120,6 +133,9 @@ class SessionAffinityRouter(RequestRouter):  # type: ignore[misc]
         pending_request: PendingRequest | None = None,
     ) -> list[list[RunningReplica]]:
         key = request_key(pending_request)
+        if key is not None and key.startswith(ADDRESS):
+            names = replica_names(candidate_replicas)
+            return [[r for r, name in zip(candidate_replicas, names, strict=True) if name == key[len(ADDRESS) :]]]
         if key is None or len(candidate_replicas) <= 1:
             return [candidate_replicas]
         order = rendezvous_order(key, replica_names(candidate_replicas))

@@ -11,7 +11,7 @@ from hotloop_serve.config import Config, config_from_dict
 from hotloop_serve.engine.chat_template import ChatMessage as M
 from hotloop_serve.engine.chat_template import ChatTemplate, builtin_template
 from hotloop_serve.engine.sampling import TextAssembler
-from hotloop_serve.engine.scheduler import plan_batch
+from hotloop_serve.engine.scheduler import PrefillPacer, plan_batch
 from hotloop_serve.engine.settings import SamplingSettings
 from hotloop_serve.errors import InvalidArgument, NotFound, Unauthenticated
 from hotloop_serve.serve.auth import Authenticator
@@ -54,6 +54,34 @@ def test_several_long_prompts_share_the_batch_in_chunks_in_arrival_order() -> No
 def test_the_last_prompt_token_of_a_reply_is_decoded_alone() -> None:
     assert plan_batch([R(False, 20, True)], 512, 128).prefill == ((0, 19),)
     assert plan_batch([R(False, 1, True)], 512, 128).prefill == ((0, 1),)
+
+
+def test_beside_decoders_the_paced_budget_replaces_the_chunk() -> None:
+    plan = plan_batch([R(True, 0), R(False, 1000), R(False, 900)], 512, 128, paced_budget=40)
+    assert plan.prefill == ((2, 40),)  # the shortest prompt takes the paced budget
+    plan = plan_batch([R(True, 0), R(False, 1000)], 512, 128, paced_budget=400)  # a fast device
+    assert plan.prefill == ((1, 400),)
+    plan = plan_batch([R(False, 1000), R(False, 900)], 512, 128, paced_budget=40)  # nobody decoding
+    assert plan.prefill == ((1, 128), (0, 128))
+
+
+def test_the_pacer_sizes_prefill_so_a_step_lasts_its_target() -> None:
+    pacer = PrefillPacer(step_target_ms=150, prefill_chunk=128, batch_tokens=512)
+    assert pacer.budget() == 128  # nothing measured yet
+    pacer.observe(decode_tokens=4, prefill_tokens=0, seconds=0.030)
+    pacer.observe(decode_tokens=4, prefill_tokens=128, seconds=0.030 + 128 * 0.0025)
+    assert pacer.budget() == 48  # (150 - 30) ms / 2.5 ms per token
+    for _ in range(40):  # the decoders alone now take longer than the target: prompts still advance
+        pacer.observe(decode_tokens=8, prefill_tokens=0, seconds=0.2)
+    assert pacer.budget() == PrefillPacer.MIN_TOKENS
+    fast = PrefillPacer(step_target_ms=150, prefill_chunk=128, batch_tokens=512)
+    fast.observe(4, 0, 0.005)
+    fast.observe(4, 256, 0.005 + 256 * 0.00005)
+    assert fast.budget() == 512  # a GPU: the whole batch fits in the target
+    off = PrefillPacer(step_target_ms=0, prefill_chunk=128, batch_tokens=512)
+    off.observe(4, 0, 0.03)
+    off.observe(4, 128, 0.4)
+    assert off.budget() == 128
 
 
 @pytest.mark.parametrize("text", ["héllo wörld", "日本語のテキスト", "emoji 😀🎉 end", "ascii"])

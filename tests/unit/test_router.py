@@ -21,7 +21,7 @@ from ray.serve._private.common import (
 )
 from ray.serve.request_router import PendingRequest
 
-from hotloop_serve.serve.router import MAX_DECODED_BYTES, SessionAffinityRouter, replica_names
+from hotloop_serve.serve.router import MAX_DECODED_BYTES, SessionAffinityRouter, rank_address, replica_names
 from hotloop_serve.serve.session_ids import SessionIds
 
 DEPLOYMENT = DeploymentID(name="ModelDeployment", app_name="gemma-3-270m")
@@ -238,3 +238,17 @@ def test_two_replicas_claiming_one_rank_are_told_apart_deterministically(router:
     for request in requests:
         owners = {choose(router, order, request)[0][0] for order in (pool, pool[::-1], pool[1:] + pool[:1])}
         assert len(owners) == 1
+
+
+def test_a_rank_address_reaches_that_replica_alone_or_waits(router: SessionAffinityRouter) -> None:
+    # Replicas reach each other by rank (fetching a session after a fleet change): a renumbered
+    # replica is reached by the rank it reports; a rank nobody holds yet is an empty tier (Ray
+    # retries until it appears or the caller times out), never another replica.
+    pool = [FakeReplica("r0", 0), FakeReplica("r2", 2, reported_rank=1), FakeReplica("r3", 3)]
+    for method in ("GiveSession", "Generate"):
+        at = {rank: pending(session_pb2.ImportSessionRequest(session_key=rank_address(rank)), method=method)
+              for rank in ("0", "1", "3", "2")}  # fmt: skip
+        assert choose(router, pool, at["0"]) == [["r0"]]
+        assert choose(router, pool, at["1"]) == [["r2"]]
+        assert choose(router, pool, at["3"]) == [["r3"]]
+        assert choose(router, pool, at["2"]) == [[]]

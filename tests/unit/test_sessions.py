@@ -127,6 +127,30 @@ def test_export_then_import_into_another_engine(tiny_model: Path) -> None:
     assert got.text == expected.text
 
 
+def test_a_handed_over_session_replaces_only_a_shorter_idle_copy(tiny_model: Path) -> None:
+    with Engine(str(tiny_model), OPTS) as a:
+        a.generate("s", "p", chat(3), GREEDY).result()
+        settle(a)
+        long_blob = a.export_session("s", "p")
+        a.close_session("s", "p")
+        a.generate("s", "p", chat(1), GREEDY).result()
+        settle(a)
+        short_blob = a.export_session("s", "p")
+    with Engine(str(tiny_model), OPTS) as b:
+        b.generate("s", "p", chat(1), GREEDY).result()  # a stale copy: a turn that spilled here
+        settle(b)
+        stale = b.session_info("s", "p").context_tokens
+        assert b.adopt_session("s", "p", long_blob)
+        longer = b.session_info("s", "p").context_tokens
+        assert longer > stale
+        assert not b.adopt_session("s", "p", short_blob)  # what is here is longer: it stays
+        assert b.session_info("s", "p").context_tokens == longer
+        with pytest.raises(NotFound):
+            b.adopt_session("s", "someone-else", long_blob)
+        assert b.adopt_session("new", "p", short_blob)  # nothing here: imported
+        assert b.stats().sessions == 2
+
+
 def test_damaged_or_foreign_exports_are_refused_and_leave_nothing(tiny_model: Path, tmp_path: Path) -> None:
     other = write_tiny_gguf(tmp_path / "other.gguf", seed=1)
     with Engine(str(tiny_model), OPTS) as a:
