@@ -94,6 +94,10 @@ def max_ongoing_requests(model: ModelConfig) -> int:
     )
 
 
+ROUTING_STATS_PERIOD_S = 1.0
+"""How often each replica's rank is polled for the routers (``record_routing_stats``)."""
+
+
 def deployment_options(model: ModelConfig) -> dict[str, Any]:
     """Ray Serve options for a model's deployment, from its config."""
     max_ongoing = max_ongoing_requests(model)
@@ -125,7 +129,10 @@ def deployment_options(model: ModelConfig) -> dict[str, Any]:
         opts["num_replicas"] = model.replicas
     if model.routing.session_affinity:
         opts["request_router_config"] = RequestRouterConfig(
-            request_router_class="hotloop_serve.serve.router:SessionAffinityRouter"
+            request_router_class="hotloop_serve.serve.router:SessionAffinityRouter",
+            # Routers learn a rank Ray renumbered from these stats: a short period keeps the
+            # window in which they hash on another rank than the replicas short (Ray: 10 s).
+            request_routing_stats_period_s=ROUTING_STATS_PERIOD_S,
         )
     return opts
 

@@ -17,7 +17,7 @@ from hotloop_serve.engine.settings import SamplingSettings
 from hotloop_serve.errors import HotloopError
 from hotloop_serve.serve.auth import Authenticator, describe_tokens, load_tokens
 from hotloop_serve.serve.model_source import resolve_model_path
-from hotloop_serve.serve.router import rank_address, rendezvous_order
+from hotloop_serve.serve.router import peer_address, rendezvous_order
 from hotloop_serve.serve.servicer import ModelServicer
 from hotloop_serve.serve.session_ids import SessionIds, new_routing_key, routing_key
 from hotloop_serve.serve.settings_memo import SettingsMemo
@@ -27,6 +27,11 @@ from hotloop_serve.telemetry.setup import shutdown_telemetry
 log = logging.getLogger("ray.serve")
 
 TRANSFER_TIMEOUT_S = 3.0
+SETTLING_S = 30.0
+"""After a change of the fleet as this replica sees it (its start, a renumbering, a replica
+count change), routers may still hash on other ranks than this replica computes (they poll
+the replicas' ranks); meanwhile a replica fetches every session it is asked about and does
+not hold, owner by its own reckoning or not."""
 """Longest wait for one session's transfer between replicas; past it the cache is rebuilt."""
 
 
@@ -49,9 +54,9 @@ def _runner_up(key: str, ranks: list[str], owner: str) -> int:
     return ranks.index(others[rendezvous_order(key, others)[0]])
 
 
-def _at(rank: str) -> spb.ImportSessionRequest:
-    """The first argument of a handle call that the router delivers to the replica of ``rank``."""
-    return spb.ImportSessionRequest(session_key=rank_address(rank))
+def _steer(key: str) -> spb.ImportSessionRequest:
+    """The first argument of a handle call: the router reads ``key`` from it."""
+    return spb.ImportSessionRequest(session_key=key)
 
 
 def _key_owned_by(index: int, ranks: list[str]) -> str:
@@ -97,6 +102,7 @@ class ModelReplica(ModelServicer):
             "settings_recalled": 0,
         }
         self._memo = SettingsMemo()
+        self._fleet_seen: tuple[list[str], float] = ([], time.monotonic())
         self._background: set[asyncio.Task[None]] = set()
         super().__init__(
             cfg,
@@ -130,8 +136,14 @@ class ModelReplica(ModelServicer):
         return result
 
     async def _ranks(self) -> list[str]:
-        """The ranks the routers hash on now (0..N-1 for N running replicas)."""
-        return [str(r) for r in range(max(1, await asyncio.to_thread(self._running_replicas), self._rank + 1))]
+        """The ranks the routers hash on now (0..N-1 for N running replicas), once they settle."""
+        ranks = [str(r) for r in range(max(1, await asyncio.to_thread(self._running_replicas), self._rank + 1))]
+        if ranks != self._fleet_seen[0]:
+            self._fleet_seen = (ranks, time.monotonic())
+        return ranks
+
+    def _settling(self) -> bool:
+        return time.monotonic() - self._fleet_seen[1] < SETTLING_S
 
     async def colocated_key(self, preferred: str) -> str:
         """A routing key this replica owns (a fork then stays next to its source's cache)."""
@@ -142,16 +154,20 @@ class ModelReplica(ModelServicer):
         return _key_owned_by(mine, ranks)
 
     async def route_list(self, principal: str) -> list[spb.Session]:
-        """This replica's sessions, and every other replica's: one call per rank, addressed to
-        it (a call to itself through the handle is not made)."""
+        """This replica's sessions, and every other replica's: one call per peer (a call to
+        itself through the handle is not made)."""
         handle = serve.get_deployment_handle(self._deployment, self._app)
-        mine = str(self._rank)
-        calls = [handle.ListFor.remote(_at(rank), principal) for rank in await self._ranks() if rank != mine]
+        calls = [handle.ListFor.remote(_steer(peer), principal) for peer in await self._peers()]
         seen = {s.id: s for s in await self.ListFor(spb.ImportSessionRequest(), principal)}
         for sessions in await asyncio.gather(*calls):
             for session in sessions:
                 seen.setdefault(session.id, session)
         return list(seen.values())
+
+    async def _peers(self) -> list[str]:
+        """Routing keys addressing each other running replica (:func:`router.peer_address`)."""
+        others = max(await asyncio.to_thread(self._running_replicas), 1) - 1
+        return [peer_address(i, self.served_by.replica) for i in range(others)]
 
     async def running_replicas(self) -> dict[str, int]:
         """Serve's count of RUNNING replicas of every app (a model's app is named after it)."""
@@ -182,6 +198,8 @@ class ModelReplica(ModelServicer):
         """Ray's hook; with a ``rank`` parameter it also reports rank reassignments (after a
         downscale), which this replica then serves under and publishes."""
         if rank is not None and getattr(rank, "rank", None) is not None:
+            if int(rank.rank) != self._rank:
+                self._fleet_seen = ([], time.monotonic())
             self._rank = int(rank.rank)
             self.served_by.replica_rank = self._rank
 
@@ -259,7 +277,8 @@ class ModelReplica(ModelServicer):
             return  # a spilled call on a third replica: the owner and its runner-up know better
         handle = serve.get_deployment_handle(self._deployment, self._app)
         try:
-            call = handle.RememberSettings.remote(_at(ranks[runner_up]), principal, sid, settings)
+            probe = _steer(_key_owned_by(runner_up, ranks))
+            call = handle.RememberSettings.remote(probe, principal, sid, settings)
             await asyncio.wait_for(call, TRANSFER_TIMEOUT_S)
             self.fleet["settings_sent"] += 1
         except Exception as e:  # the runner-up is busy or gone: only a hard loss of this owner would need it
@@ -267,21 +286,17 @@ class ModelReplica(ModelServicer):
             log.info("could not send session %s's settings to rank %s: %r", sid[:12], ranks[runner_up], e)
 
     async def adopt_from_previous_owner(self, sid: str, principal: str) -> None:
-        """Fetch a session this replica now owns: from the replica that owned its key before (the
-        runner-up of the ranking), else from any other. Ray renumbers ranks after a downscale,
-        and a leaving replica hands over by the ranks of its moment, so the holder is not always
-        the runner-up; asking the others costs one short call each, only on a session's first
-        turn on its new owner."""
+        """Fetch a session this replica now owns from whichever peer holds it. Usually that is
+        the runner-up of the ranking (the owner before this replica joined), but Ray renumbers
+        ranks after a downscale and during a roll, routers learn new ranks only at their next
+        poll, and a leaving replica hands over by the ranks of its moment: so every peer is
+        asked at once (one short call each, only on a session's first turn on a new owner),
+        and the longest copy given wins."""
         ranks = await self._ranks()
-        mine = str(self._rank)
-        key = routing_key(sid)
-        if len(ranks) < 2 or ranks[rendezvous_order(key, ranks)[0]] != mine:
-            return  # one replica, or not the owner (a spilled turn): nothing to fetch
-        previous = ranks[_runner_up(key, ranks, mine)]
-        given = await self._ask_to_give(sid, principal, [previous])
-        if not isinstance(given, bytes):
-            found = await self._ask_to_give(sid, principal, [r for r in ranks if r not in (mine, previous)])
-            given = found if isinstance(found, bytes) or given is None else given
+        owner = ranks[rendezvous_order(routing_key(sid), ranks)[0]] == str(self._rank)
+        if len(ranks) < 2 or not (owner or self._settling()):
+            return  # one replica, or a turn spilled here from a busy owner: the history rebuilds it
+        given = await self._ask_to_give(sid, principal, await self._peers())
         try:
             if isinstance(given, bytes):
                 await asyncio.to_thread(self.engine.import_session, sid, principal, given)
@@ -293,24 +308,24 @@ class ModelReplica(ModelServicer):
             self.fleet["fetch_failures"] += 1
             log.info("could not adopt session %s: %s", sid[:12], e.message)
 
-    async def _ask_to_give(self, sid: str, principal: str, ranks: list[str]) -> bytes | SamplingSettings | None:
-        """``GiveSession`` on each of ``ranks`` at once: the largest cache given (the longest
+    async def _ask_to_give(self, sid: str, principal: str, peers: list[str]) -> bytes | SamplingSettings | None:
+        """``GiveSession`` on each of ``peers`` at once: the largest cache given (the longest
         history: a stale copy of a spilled turn is smaller), else settings, else None."""
-        if not ranks:
+        if not peers:
             return None
         handle = serve.get_deployment_handle(self._deployment, self._app)
 
-        async def ask(rank: str) -> bytes | SamplingSettings | None:
+        async def ask(peer: str) -> bytes | SamplingSettings | None:
             try:
-                call = handle.GiveSession.remote(_at(rank), principal, sid)
+                call = handle.GiveSession.remote(_steer(peer), principal, sid)
                 given: bytes | SamplingSettings | None = await asyncio.wait_for(call, TRANSFER_TIMEOUT_S)
                 return given
             except Exception as e:  # gone or slow: the history rebuilds the cache
                 self.fleet["fetch_failures"] += 1
-                log.info("could not fetch session %s from rank %s: %r", sid[:12], rank, e)
+                log.info("could not fetch session %s from peer %s: %r", sid[:12], peer, e)
                 return None
 
-        answers = await asyncio.gather(*(ask(r) for r in ranks))
+        answers = await asyncio.gather(*(ask(p) for p in peers))
         blobs = [a for a in answers if isinstance(a, bytes)]
         if blobs:
             return max(blobs, key=len)

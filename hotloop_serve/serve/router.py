@@ -21,10 +21,13 @@ Algorithm (rendezvous / highest-random-weight hashing over replica *ranks*):
    one rank meanwhile are told apart deterministically (:func:`replica_names`).
 4. Requests with no key (ListModels, health, a CreateSession without a key) go to all replicas
    in one tier: Ray picks the least loaded of two (power of two choices), spreading new work.
-5. A key ``@<rank>`` (:func:`rank_address`) addresses the replica hashed as that rank, and no
-   other: replicas reach each other so (fetching a session after a fleet change, listing,
-   status). A rank nobody holds yet is waited for (Ray retries), so the caller's timeout
-   bounds it; it never lands on a replica that was not asked (the caller itself included).
+5. A key ``@<i>/<replica id>`` (:func:`peer_address`) addresses the i-th of the *other*
+   replicas, ordered by replica id: a replica reaches each of its peers so (fetching a
+   session after a fleet change, listing), whatever ranks they are hashed on at that moment
+   (Ray renumbers ranks after a downscale, and routers learn it only at their next poll). An
+   index past the peers the router knows wraps around (asking a peer twice is harmless); with
+   no peer known yet it is waited for (Ray retries) until the caller's timeout. It never lands
+   on the caller itself.
 
 Every proxy and every handle computes the same ranking with no shared state. The class is
 pickled by value into Ray's proxies, so it imports only the standard library, Ray and the
@@ -47,13 +50,24 @@ SPILLS = frozenset({"Generate", "OpenAIChat"})
 history: the next-ranked replica rebuilds the cache from it)."""
 
 
-ADDRESS = "@"
-"""Prefix of a key that names a replica's rank instead of a session (no session key has it)."""
+PEER = "@"
+"""Prefix of a key that names a peer replica instead of a session (no session key has it)."""
 
 
-def rank_address(rank: str) -> str:
-    """The routing key of the replica hashed as ``rank``."""
-    return f"{ADDRESS}{rank}"
+def peer_address(index: int, caller: str) -> str:
+    """The routing key of the ``index``-th replica other than ``caller`` (a replica id), in
+    replica-id order: the same replica in every router that knows the same replicas."""
+    return f"{PEER}{index}/{caller}"
+
+
+def _peer(key: str, candidates: list[RunningReplica]) -> list[RunningReplica]:
+    index, _, caller = key[len(PEER) :].partition("/")
+    others = sorted(
+        (r for r in candidates if str(r.replica_id.unique_id) != caller), key=lambda r: str(r.replica_id.unique_id)
+    )
+    if not others or not index.isdigit():
+        return []
+    return [others[int(index) % len(others)]]
 
 
 def _metadata_key(pending_request: PendingRequest) -> str | None:
@@ -133,9 +147,8 @@ class SessionAffinityRouter(RequestRouter):  # type: ignore[misc]
         pending_request: PendingRequest | None = None,
     ) -> list[list[RunningReplica]]:
         key = request_key(pending_request)
-        if key is not None and key.startswith(ADDRESS):
-            names = replica_names(candidate_replicas)
-            return [[r for r, name in zip(candidate_replicas, names, strict=True) if name == key[len(ADDRESS) :]]]
+        if key is not None and key.startswith(PEER):
+            return [_peer(key, candidate_replicas)]
         if key is None or len(candidate_replicas) <= 1:
             return [candidate_replicas]
         order = rendezvous_order(key, replica_names(candidate_replicas))

@@ -21,7 +21,7 @@ from ray.serve._private.common import (
 )
 from ray.serve.request_router import PendingRequest
 
-from hotloop_serve.serve.router import MAX_DECODED_BYTES, SessionAffinityRouter, rank_address, replica_names
+from hotloop_serve.serve.router import MAX_DECODED_BYTES, SessionAffinityRouter, peer_address, replica_names
 from hotloop_serve.serve.session_ids import SessionIds
 
 DEPLOYMENT = DeploymentID(name="ModelDeployment", app_name="gemma-3-270m")
@@ -240,15 +240,18 @@ def test_two_replicas_claiming_one_rank_are_told_apart_deterministically(router:
         assert len(owners) == 1
 
 
-def test_a_rank_address_reaches_that_replica_alone_or_waits(router: SessionAffinityRouter) -> None:
-    # Replicas reach each other by rank (fetching a session after a fleet change): a renumbered
-    # replica is reached by the rank it reports; a rank nobody holds yet is an empty tier (Ray
-    # retries until it appears or the caller times out), never another replica.
-    pool = [FakeReplica("r0", 0), FakeReplica("r2", 2, reported_rank=1), FakeReplica("r3", 3)]
-    for method in ("GiveSession", "Generate"):
-        at = {rank: pending(session_pb2.ImportSessionRequest(session_key=rank_address(rank)), method=method)
-              for rank in ("0", "1", "3", "2")}  # fmt: skip
-        assert choose(router, pool, at["0"]) == [["r0"]]
-        assert choose(router, pool, at["1"]) == [["r2"]]
-        assert choose(router, pool, at["3"]) == [["r3"]]
-        assert choose(router, pool, at["2"]) == [[]]
+def test_a_peer_address_reaches_each_other_replica_whatever_its_rank(router: SessionAffinityRouter) -> None:
+    # Replicas reach each other by index among their peers in replica-id order (fetching a
+    # session after a fleet change): the same replica in every router, renumbered or not, and
+    # never the caller.
+    pool = [FakeReplica("r2", 2, reported_rank=1), FakeReplica("r0", 0), FakeReplica("r3", 3)]
+    for method in ("GiveSession", "ListFor", "Generate"):
+
+        def at(i: int, caller: str, candidates: list[FakeReplica], method: str = method) -> list[list[str]]:
+            request = pending(session_pb2.ImportSessionRequest(session_key=peer_address(i, caller)), method=method)
+            return choose(router, candidates, request)
+
+        assert [at(i, "r0", pool) for i in range(2)] == [[["r2"]], [["r3"]]]
+        assert [at(i, "r3", pool[::-1]) for i in range(2)] == [[["r0"]], [["r2"]]]
+        assert at(2, "r0", pool) == [["r2"]]  # past the peers known: wraps around
+        assert at(0, "r0", [pool[1]]) == [[]]  # no peer known yet: Ray waits and retries
