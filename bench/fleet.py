@@ -170,18 +170,21 @@ def scaled(address: str, port: int, sessions: int) -> dict[str, dict[str, Any]]:
                          ("scale-in 3 -> 2 in place, sessions that moved", 2)):  # fmt: skip
             deploy(config(port, True, 1, replicas=n))
             time.sleep(3)  # the routers hear of the change
-            shares, ttft = [], []
+            shares, ttft, turns = [], [], []
             for i, s in enumerate(ss):
                 transcripts[i].append(Message(Role.USER, f"Question {n}: which items are boats?"))
                 chunks = list(s.generate(transcripts[i]))
                 transcripts[i].append(Message(Role.ASSISTANT, "".join(c.text for c in chunks)))
                 last = chunks[-1]
                 assert last.usage and last.timings and last.served_by
+                turns.append({"session": i, "from": owners[i], "to": last.served_by.replica,
+                              "prompt": last.usage.prompt_tokens, "cached": last.usage.cached_tokens,
+                              "restored": last.usage.restored_tokens})  # fmt: skip
                 if last.served_by.replica != owners[i]:
                     shares.append((last.usage.cached_tokens + last.usage.restored_tokens) / last.usage.prompt_tokens)
                     ttft.append(last.timings.time_to_first_token_ms)
                 owners[i] = last.served_by.replica
-            rows[label] = {"cached_share": shares, "ttft_ms": ttft}
+            rows[label] = {"cached_share": shares, "ttft_ms": ttft, "turns": turns}
     serve.delete(APP)
     return rows
 

@@ -33,7 +33,7 @@ import llama_cpp as ll
 
 from hotloop_serve.engine.chat_template import ChatMessage, ChatTemplate, builtin_template
 from hotloop_serve.engine.config import EngineOptions
-from hotloop_serve.engine.kv import KVManager, LlamaKVMemory, common_prefix
+from hotloop_serve.engine.kv import RESTORE_MARGIN, KVManager, LlamaKVMemory, common_prefix
 from hotloop_serve.engine.model import Model
 from hotloop_serve.engine.persist import DiskStore, SessionBlob, model_fingerprint, to_kv_bytes
 from hotloop_serve.engine.requests import Request, RequestKind, RequestState
@@ -153,6 +153,7 @@ class Engine:
             shared_prefix_min_tokens=opts.shared_prefix_min_tokens,
             pooled=opts.kv_layout == "unified",
             spill=self._spill if self.disk else None,
+            restore_margin=RESTORE_MARGIN if opts.swa_full else 0,
         )
         self.scheduler = Scheduler(
             self.kv,
@@ -327,7 +328,7 @@ class Engine:
         def release() -> tuple[list[int], KVBytes | None]:
             if s.busy:
                 return [], None
-            tokens, data = self.kv.snapshot(s)
+            tokens, data = self.kv.snapshot(s, leaving=True)
             if data is not None:
                 data = to_kv_bytes(bytes(data))  # a copy: forgetting frees the original
                 self._forget(s)
@@ -342,7 +343,7 @@ class Engine:
         """The session's cache as a portable blob (tokens, KV state, settings, model fingerprint)."""
         with self._lock:
             s = self._sessions.owned(session_id, owner)
-        tokens, data = self._call(lambda: self.kv.snapshot(s))
+        tokens, data = self._call(lambda: self.kv.snapshot(s, leaving=True))
         kv = bytes(data) if data is not None else b""
         return SessionBlob(self.fingerprint, tokens if kv else [], s.settings, kv).encode()
 
@@ -575,7 +576,7 @@ class Engine:
 
     def _snapshot_all(self) -> None:
         for s in self._sessions.values():
-            tokens, data = self.kv.snapshot(s)
+            tokens, data = self.kv.snapshot(s, leaving=True)
             if data is not None and tokens:
                 self._spill(s, tokens, data)
 
@@ -726,7 +727,7 @@ class Engine:
     def _forget(self, s: Session, keep_on_disk: bool = False) -> None:
         self._end_session_request(s, "closed")
         if keep_on_disk and self.disk is not None:
-            tokens, data = self.kv.snapshot(s)
+            tokens, data = self.kv.snapshot(s, leaving=True)
             if data is not None and tokens:
                 self._spill(s, tokens, data)
         elif not keep_on_disk:

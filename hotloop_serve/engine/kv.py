@@ -149,6 +149,17 @@ class LlamaKVMemory:
         return bool(ll.llama_state_seq_set_data(self._ctx, data, len(data), seq))
 
 
+RESTORE_MARGIN = 16
+"""Tokens a saved cache leaves off its end (sliding-window models with a full-size window cache).
+
+llama.cpp restores a sequence's sliding-window cells only within the window of its last
+position (measured: 754 cached tokens restore with exactly 512 window cells). Continuing at
+the full length works; cutting even one token then lacks a window cell, and the whole cache
+is rebuilt. A follow-up almost always cuts a few: the reply's last tokens re-render
+differently in the next history. Saving without the last 16 tokens lets that follow-up
+continue from the restored cache (16 tokens re-prefilled instead of the whole history)."""
+
+
 class KVManager:
     """Sequences, cells and RAM for one engine's sessions. Scheduler thread only."""
 
@@ -162,8 +173,11 @@ class KVManager:
         shared_prefix_min_tokens: int,
         pooled: bool = True,
         spill: Callable[[Session, list[int], KVBytes], None] | None = None,
+        restore_margin: int = 0,
     ) -> None:
         self.memory = memory
+        self.restore_margin = restore_margin
+        """:data:`RESTORE_MARGIN` where it helps (a full-size window cache), else 0."""
         self.spill = spill
         """Called with an idle session's tokens and KV when host RAM drops it (the disk tier)."""
         self.capacity = capacity_tokens
@@ -231,7 +245,10 @@ class KVManager:
         self._free.append(seq)
 
     def evict(self, s: Session, pinned: bool = False) -> None:
-        """Move a hot session's KV to host RAM (or drop it past the budget); free its sequence."""
+        """Move a hot session's KV to host RAM (or drop it past the budget); free its sequence.
+        A pre-empted (``pinned``) one is saved whole: it resumes exactly where it was."""
+        if not pinned:
+            self._trim_for_restore(s)
         data = self.memory.save(s.seq) if s.tokens else None  # type: ignore[arg-type]
         self._release_seq(s)
         if data is None:
@@ -339,8 +356,26 @@ class KVManager:
         self.evicted.unpin(s)
         s.phase = SessionPhase.EVICTED
 
-    def snapshot(self, s: Session) -> tuple[list[int], KVBytes | None]:
-        """A copy of a session's cache as it is now: its tokens and llama.cpp state (None: no cache)."""
+    def _trim_for_restore(self, s: Session) -> None:
+        """Leave :attr:`restore_margin` tokens off the end of an idle hot session about to be saved."""
+        keep, window, seq = len(s.tokens) - self.restore_margin, self.memory.n_swa, s.seq
+        if not (self.restore_margin and window and len(s.tokens) > window and keep > 0):
+            return
+        if seq is None or s.request is not None:
+            return
+        if self.memory.seq_rm(seq, keep, -1) and self._window_intact(seq, keep):
+            del s.tokens[keep:]
+        else:  # the cells are gone but the window is not whole: rebuild rather than continue wrong
+            self.counters["window_resets"] += 1
+            self.memory.seq_rm(seq, -1, -1)
+            s.tokens = []
+
+    def snapshot(self, s: Session, leaving: bool = False) -> tuple[list[int], KVBytes | None]:
+        """A copy of a session's cache as it is now: its tokens and llama.cpp state (None: no cache).
+        ``leaving``: the copy is what will continue the session (a hand-over, an export, the disk
+        tier), so it leaves :attr:`restore_margin` tokens off, the live cache too."""
+        if leaving and s.phase is SessionPhase.HOT:
+            self._trim_for_restore(s)
         if s.phase is SessionPhase.HOT and s.tokens and s.seq is not None:
             return list(s.tokens), self.memory.save(s.seq)
         if s.phase is SessionPhase.EVICTED and s.saved is not None:

@@ -6,6 +6,7 @@ import asyncio
 import dataclasses
 import logging
 import time
+from collections.abc import Awaitable
 from typing import Any
 
 from hotloop.v1 import session_pb2 as spb
@@ -16,6 +17,7 @@ from hotloop_serve.engine.engine import Engine
 from hotloop_serve.engine.settings import SamplingSettings
 from hotloop_serve.errors import HotloopError
 from hotloop_serve.serve.auth import Authenticator, describe_tokens, load_tokens
+from hotloop_serve.serve.handle_calls import as_own_request
 from hotloop_serve.serve.model_source import resolve_model_path
 from hotloop_serve.serve.router import peer_address, rendezvous_order
 from hotloop_serve.serve.servicer import ModelServicer
@@ -97,6 +99,7 @@ class ModelReplica(ModelServicer):
             "fetched": 0,
             "given": 0,
             "fetch_failures": 0,
+            "fetch_misses": 0,
             "settings_sent": 0,
             "settings_send_failures": 0,
             "settings_recalled": 0,
@@ -132,7 +135,7 @@ class ModelReplica(ModelServicer):
         if ranks[rendezvous_order(routing_key(request.session_key), ranks)[0]] == str(self._rank):
             return await self.CreateSessionFor(request, principal)
         handle = serve.get_deployment_handle(self._deployment, self._app)
-        result: spb.Session = await handle.CreateSessionFor.remote(request, principal)
+        result: spb.Session = await as_own_request(lambda: handle.CreateSessionFor.remote(request, principal))
         return result
 
     async def _ranks(self) -> list[str]:
@@ -157,7 +160,11 @@ class ModelReplica(ModelServicer):
         """This replica's sessions, and every other replica's: one call per peer (a call to
         itself through the handle is not made)."""
         handle = serve.get_deployment_handle(self._deployment, self._app)
-        calls = [handle.ListFor.remote(_steer(peer), principal) for peer in await self._peers()]
+
+        def list_at(peer: str) -> Awaitable[list[spb.Session]]:
+            return as_own_request(lambda: handle.ListFor.remote(_steer(peer), principal))
+
+        calls = [list_at(peer) for peer in await self._peers()]
         seen = {s.id: s for s in await self.ListFor(spb.ImportSessionRequest(), principal)}
         for sessions in await asyncio.gather(*calls):
             for session in sessions:
@@ -278,7 +285,7 @@ class ModelReplica(ModelServicer):
         handle = serve.get_deployment_handle(self._deployment, self._app)
         try:
             probe = _steer(_key_owned_by(runner_up, ranks))
-            call = handle.RememberSettings.remote(probe, principal, sid, settings)
+            call = as_own_request(lambda: handle.RememberSettings.remote(probe, principal, sid, settings))
             await asyncio.wait_for(call, TRANSFER_TIMEOUT_S)
             self.fleet["settings_sent"] += 1
         except Exception as e:  # the runner-up is busy or gone: only a hard loss of this owner would need it
@@ -296,7 +303,12 @@ class ModelReplica(ModelServicer):
         owner = ranks[rendezvous_order(routing_key(sid), ranks)[0]] == str(self._rank)
         if len(ranks) < 2 or not (owner or self._settling()):
             return  # one replica, or a turn spilled here from a busy owner: the history rebuilds it
-        given = await self._ask_to_give(sid, principal, await self._peers())
+        peers = await self._peers()
+        given = await self._ask_to_give(sid, principal, peers)
+        if given is None:
+            self.fleet["fetch_misses"] += 1
+            log.info("no cache of session %s on %d peers (ranks %s, rank %s): rebuilt from its history",
+                     sid[:12], len(peers), ranks, self._rank)  # fmt: skip
         try:
             if isinstance(given, bytes):
                 await asyncio.to_thread(self.engine.import_session, sid, principal, given)
@@ -317,7 +329,7 @@ class ModelReplica(ModelServicer):
 
         async def ask(peer: str) -> bytes | SamplingSettings | None:
             try:
-                call = handle.GiveSession.remote(_steer(peer), principal, sid)
+                call = as_own_request(lambda: handle.GiveSession.remote(_steer(peer), principal, sid))
                 given: bytes | SamplingSettings | None = await asyncio.wait_for(call, TRANSFER_TIMEOUT_S)
                 return given
             except Exception as e:  # gone or slow: the history rebuilds the cache

@@ -5,7 +5,9 @@ from __future__ import annotations
 import ctypes
 from dataclasses import dataclass, field
 
-from hotloop_serve.engine.kv import KVManager
+import pytest
+
+from hotloop_serve.engine.kv import KVManager, common_prefix
 from hotloop_serve.engine.requests import Request, RequestKind, RequestState
 from hotloop_serve.engine.scheduler import Scheduler
 from hotloop_serve.engine.session import KVBytes, Session, SessionPhase
@@ -54,6 +56,8 @@ class FakeMemory:
             self.cells[seq] = {0}  # a half-written restore
             return False
         self.cells[seq] = set(range(len(data)))
+        if self.n_swa:  # llama.cpp restores window cells only within the window of the last position
+            self.lost_below[seq] = len(data) - self.n_swa
         return True
 
     def fill(self, s: Session, n: int) -> None:
@@ -62,8 +66,11 @@ class FakeMemory:
         s.tokens.extend(range(len(s.tokens), len(s.tokens) + n))
 
 
-def manager(mem: FakeMemory, seqs: int = 2, capacity: int = 100, ram: int = 10_000) -> KVManager:
-    return KVManager(mem, sequences=seqs, capacity_tokens=capacity, evicted_bytes=ram, shared_prefix_min_tokens=4)
+def manager(mem: FakeMemory, seqs: int = 2, capacity: int = 100, ram: int = 10_000, margin: int = 0) -> KVManager:
+    return KVManager(
+        mem, sequences=seqs, capacity_tokens=capacity, evicted_bytes=ram, shared_prefix_min_tokens=4,
+        restore_margin=margin,
+    )  # fmt: skip
 
 
 def session(name: str, owner: str = "p") -> Session:
@@ -83,6 +90,34 @@ def test_lru_idle_session_is_evicted_to_ram_and_restored() -> None:
     mem.fill(c, 10)
     kv.evict(b)
     assert kv.acquire(a) and kv.restore(a) == 10 and a.phase is SessionPhase.HOT
+
+
+@pytest.mark.parametrize("margin", [0, 4])
+def test_a_restored_sliding_window_cache_serves_a_follow_up_that_cuts_its_tail(margin: int) -> None:
+    # A follow-up re-renders the reply's last tokens differently: it shares all but the last
+    # 2 cached tokens. Restored whole, the window lacks the cells that cut needs (rebuilt);
+    # saved without a margin of 4, the restored cache is continued.
+    mem = FakeMemory(n_swa=8)
+    kv = manager(mem, margin=margin)
+    a = session("a")
+    kv.acquire(a)
+    mem.fill(a, 20)
+    prompt = [*a.tokens[:18], 99, 98, 97]
+    kv.evict(a)
+    assert kv.acquire(a) and kv.restore(a) == 20 - margin
+    kept = kv.cut(a, common_prefix(a.tokens, prompt))
+    assert kept == (16 if margin else 0)
+    assert kv.counters["window_resets"] == (0 if margin else 1)
+
+
+def test_a_pre_empted_session_is_saved_whole() -> None:
+    mem = FakeMemory(n_swa=8)
+    kv = manager(mem, margin=4)
+    a = session("a")
+    kv.acquire(a)
+    mem.fill(a, 20)
+    kv.preempt(a)
+    assert kv.acquire(a) and kv.restore(a) == 20 and len(a.tokens) == 20
 
 
 def test_past_the_ram_budget_the_oldest_evicted_session_is_dropped() -> None:
