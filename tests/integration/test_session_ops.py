@@ -139,9 +139,9 @@ def test_list_across_two_replicas(sessions_duo: str) -> None:
             replicas.add(chunks[-1].served_by.replica)
         listed = {info.id: info for info in model.list_sessions()}
         for s in sessions:
-            assert s.id in listed and listed[s.id].context_tokens > 0
+            assert s.id in listed and listed[s.id].context_tokens > 0, (s.id, listed)
         served = {info.served_by.replica for info in listed.values() if info.served_by}
-        assert len(replicas) == 2 and served >= replicas
+        assert len(replicas) == 2 and served >= replicas, (replicas, served)
         assert not {info.id for info in bob.model(LIST_APP).list_sessions()} & listed.keys()
         for s in sessions:
             s.close()
