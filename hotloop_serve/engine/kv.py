@@ -233,6 +233,7 @@ class KVManager:
         self.hot[seq] = s
         if s.phase is not SessionPhase.EVICTED:
             s.tokens = []  # new or dropped: nothing of it is in the cache
+            s.window_floor = 0
             s.phase = SessionPhase.HOT
         return True
 
@@ -269,6 +270,7 @@ class KVManager:
     def _lose(self, s: Session) -> None:
         """The session's cache is gone; the next request rebuilds it from its history."""
         s.tokens = []
+        s.window_floor = 0
         if s.phase is not SessionPhase.CLOSED:
             s.phase = SessionPhase.DROPPED
         self.counters["drops"] += 1
@@ -292,6 +294,7 @@ class KVManager:
             self.make_room(len(s.tokens), [s, *protect])
         if self.memory.restore(s.seq, data):
             s.phase = SessionPhase.HOT
+            s.window_floor = max(0, len(s.tokens) - self.memory.n_swa) if self.memory.n_swa else 0
             self.counters["restores"] += 1
             return len(s.tokens)
         self.counters["restore_failures"] += 1
@@ -320,6 +323,7 @@ class KVManager:
         if not ok:
             self.memory.seq_rm(s.seq, -1, -1)
             keep = 0
+            s.window_floor = 0
         del s.tokens[keep:]
         return keep
 
@@ -361,14 +365,15 @@ class KVManager:
         keep, window, seq = len(s.tokens) - self.restore_margin, self.memory.n_swa, s.seq
         if not (self.restore_margin and window and len(s.tokens) > window and keep > 0):
             return
-        if seq is None or s.request is not None:
-            return
+        if seq is None or s.request is not None or keep - window < s.window_floor:
+            return  # busy, or restored itself and not grown since: cut, it would lose its window
         if self.memory.seq_rm(seq, keep, -1) and self._window_intact(seq, keep):
             del s.tokens[keep:]
         else:  # the cells are gone but the window is not whole: rebuild rather than continue wrong
             self.counters["window_resets"] += 1
             self.memory.seq_rm(seq, -1, -1)
             s.tokens = []
+            s.window_floor = 0
 
     def snapshot(self, s: Session, leaving: bool = False) -> tuple[list[int], KVBytes | None]:
         """A copy of a session's cache as it is now: its tokens and llama.cpp state (None: no cache).
@@ -425,6 +430,7 @@ class KVManager:
         if s.seq is not None:
             self.memory.seq_rm(s.seq, -1, -1)
         s.tokens = []
+        s.window_floor = 0
         s.phase = SessionPhase.HOT if s.seq is not None else SessionPhase.NEW
 
     def forget(self, s: Session) -> None:
@@ -433,5 +439,6 @@ class KVManager:
         if s.seq is not None:
             self._release_seq(s)
         s.tokens = []
+        s.window_floor = 0
         s.phase = SessionPhase.CLOSED
         s.last_used = time.monotonic()

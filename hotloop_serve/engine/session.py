@@ -48,6 +48,7 @@ class Session:
         "seq",
         "settings",
         "tokens",
+        "window_floor",
     )
 
     def __init__(self, session_id: str, owner: str, settings: SamplingSettings) -> None:
@@ -57,6 +58,10 @@ class Session:
         self.phase = SessionPhase.NEW
         self.seq: int | None = None
         self.tokens: list[int] = []
+        self.window_floor = 0
+        """Lowest position whose sliding-window cells the cache still holds: above 0 after a
+        restore (llama.cpp restores only the window of the last position), so the cache cannot
+        be cut below ``window_floor + n_swa`` without a rebuild."""
         """Tokens held in the cache (hot or evicted), position i at index i."""
         self.saved: KVBytes | None = None
         self.request: Request | None = None

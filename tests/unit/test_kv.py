@@ -110,6 +110,23 @@ def test_a_restored_sliding_window_cache_serves_a_follow_up_that_cuts_its_tail(m
     assert kv.counters["window_resets"] == (0 if margin else 1)
 
 
+def test_a_restored_cache_is_not_trimmed_again_below_its_window() -> None:
+    # Restored, the cache holds window cells only for its last 8 positions: trimming it again
+    # would lose its window (and with it the whole cache). It is saved whole until it grew.
+    mem = FakeMemory(n_swa=8)
+    kv = manager(mem, margin=4)
+    a = session("a")
+    kv.acquire(a)
+    mem.fill(a, 20)
+    kv.evict(a)
+    assert kv.acquire(a) and kv.restore(a) == 16 and a.window_floor == 8
+    kv.evict(a)
+    assert kv.acquire(a) and kv.restore(a) == 16 and kv.counters["window_resets"] == 0
+    mem.fill(a, 10)  # two turns later: 26 tokens, the last 18 with their window
+    kv.evict(a)
+    assert kv.acquire(a) and kv.restore(a) == 22
+
+
 def test_a_pre_empted_session_is_saved_whole() -> None:
     mem = FakeMemory(n_swa=8)
     kv = manager(mem, margin=4)
