@@ -6,7 +6,6 @@ import asyncio
 import dataclasses
 import logging
 import time
-from collections.abc import Awaitable
 from typing import Any
 
 from hotloop.v1 import session_pb2 as spb
@@ -29,6 +28,10 @@ from hotloop_serve.telemetry.setup import shutdown_telemetry
 log = logging.getLogger("ray.serve")
 
 TRANSFER_TIMEOUT_S = 3.0
+LIST_TIMEOUT_S = 10.0
+"""How long ListSessions waits for each peer: Ray 2.60's handle router in a replica can miss a
+replacement replica for good (its long poll delivered one update, then none); a listing
+without that peer beats a DEADLINE_EXCEEDED."""
 SETTLING_S = 30.0
 """After a change of the fleet as this replica sees it (its start, a renumbering, a replica
 count change), routers may still hash on other ranks than this replica computes (they poll
@@ -161,8 +164,14 @@ class ModelReplica(ModelServicer):
         itself through the handle is not made)."""
         handle = serve.get_deployment_handle(self._deployment, self._app)
 
-        def list_at(peer: str) -> Awaitable[list[spb.Session]]:
-            return as_own_request(lambda: handle.ListFor.remote(_steer(peer), principal))
+        async def list_at(peer: str) -> list[spb.Session]:
+            try:
+                call = as_own_request(lambda: handle.ListFor.remote(_steer(peer), principal))
+                listed: list[spb.Session] = await asyncio.wait_for(call, LIST_TIMEOUT_S)
+                return listed
+            except Exception as e:  # a peer this replica's router cannot reach: list the others
+                log.warning("listing sessions: peer %s did not answer: %r", peer, e)
+                return []
 
         calls = [list_at(peer) for peer in await self._peers()]
         seen = {s.id: s for s in await self.ListFor(spb.ImportSessionRequest(), principal)}

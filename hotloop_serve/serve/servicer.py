@@ -374,6 +374,8 @@ class ModelServicer:
         self, request: spb.ListSessionsRequest, principal: str, span: RpcSpan
     ) -> spb.ListSessionsResponse:
         self._check_model(request.model)
+        if principal == ANONYMOUS:
+            return spb.ListSessionsResponse()  # each anonymous session is its own tenant (_tenant)
         sessions = await self.route_list(principal)
         sessions.sort(key=lambda s: s.last_used_unix, reverse=True)
         return spb.ListSessionsResponse(sessions=sessions)
