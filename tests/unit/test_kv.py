@@ -92,16 +92,22 @@ def test_lru_idle_session_is_evicted_to_ram_and_restored() -> None:
     assert kv.acquire(a) and kv.restore(a) == 10 and a.phase is SessionPhase.HOT
 
 
-@pytest.mark.parametrize("margin", [0, 4])
-def test_a_restored_sliding_window_cache_serves_a_follow_up_that_cuts_its_tail(margin: int) -> None:
-    # A follow-up re-renders the reply's last tokens differently: it shares all but the last
-    # 2 cached tokens. Restored whole, the window lacks the cells that cut needs (rebuilt);
-    # saved without a margin of 4, the restored cache is continued.
+def windowed_session(margin: int) -> tuple[FakeMemory, KVManager, Session]:
+    """A hot 20-token session of a model with an 8-position sliding window."""
     mem = FakeMemory(n_swa=8)
     kv = manager(mem, margin=margin)
     a = session("a")
     kv.acquire(a)
     mem.fill(a, 20)
+    return mem, kv, a
+
+
+@pytest.mark.parametrize("margin", [0, 4])
+def test_a_restored_sliding_window_cache_serves_a_follow_up_that_cuts_its_tail(margin: int) -> None:
+    # A follow-up re-renders the reply's last tokens differently: it shares all but the last
+    # 2 cached tokens. Restored whole, the window lacks the cells that cut needs (rebuilt);
+    # saved without a margin of 4, the restored cache is continued.
+    _, kv, a = windowed_session(margin)
     prompt = [*a.tokens[:18], 99, 98, 97]
     kv.evict(a)
     assert kv.acquire(a) and kv.restore(a) == 20 - margin
@@ -113,11 +119,7 @@ def test_a_restored_sliding_window_cache_serves_a_follow_up_that_cuts_its_tail(m
 def test_a_restored_cache_is_not_trimmed_again_below_its_window() -> None:
     # Restored, the cache holds window cells only for its last 8 positions: trimming it again
     # would lose its window (and with it the whole cache). It is saved whole until it grew.
-    mem = FakeMemory(n_swa=8)
-    kv = manager(mem, margin=4)
-    a = session("a")
-    kv.acquire(a)
-    mem.fill(a, 20)
+    mem, kv, a = windowed_session(4)
     kv.evict(a)
     assert kv.acquire(a) and kv.restore(a) == 16 and a.window_floor == 8
     kv.evict(a)
@@ -128,11 +130,7 @@ def test_a_restored_cache_is_not_trimmed_again_below_its_window() -> None:
 
 
 def test_a_pre_empted_session_is_saved_whole() -> None:
-    mem = FakeMemory(n_swa=8)
-    kv = manager(mem, margin=4)
-    a = session("a")
-    kv.acquire(a)
-    mem.fill(a, 20)
+    _, kv, a = windowed_session(4)
     kv.preempt(a)
     assert kv.acquire(a) and kv.restore(a) == 20 and len(a.tokens) == 20
 
