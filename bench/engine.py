@@ -68,10 +68,15 @@ FIXED_PROMPT = "Count slowly from one to five hundred, one number per line, in w
 WIDTHS = (1, 2, 4, 8)
 
 
-def primitive_isolated(tokens: int, threads: int, width: int) -> float:
+def primitive_isolated(tokens: int, threads: int, width: int, history: int = 0) -> float:
     """The primitive at one width, in its own process, right before the engine row it is compared to."""
     out = subprocess.run(
-        [sys.executable, __file__, "--primitive-only", str(width), "--tokens", str(tokens), "--threads", str(threads)],
+        [
+            sys.executable,
+            __file__,
+            *("--primitive-only", str(width), "--tokens", str(tokens), "--threads", str(threads)),
+            *("--history", str(history)),
+        ],
         check=True,
         capture_output=True,
         text=True,
@@ -92,11 +97,14 @@ def primitive_context(model: Any, threads: int) -> tuple[Any, Any]:
     return ll.llama_init_from_model(model.ptr, params), ll.llama_batch_init(512, 0, 1)
 
 
-def primitive(path: Path, tokens: int, threads: int, widths: tuple[int, ...] = WIDTHS) -> dict[int, float]:
+def primitive(
+    path: Path, tokens: int, threads: int, widths: tuple[int, ...] = WIDTHS, history: int = 0
+) -> dict[int, float]:
     """llama.cpp's low-level batched loop: n sequences, one token each per llama_decode, greedy.
 
     The same context shape, template and prompts as the engine rows; decode tokens/s counted
-    from each sequence's first sampled token, as the engine's timings do.
+    from each sequence's first sampled token, as the engine's timings do. ``history`` > 0: each
+    sequence's prompt is padded to that many tokens first (decoding attends over all of them).
     """
     import llama_cpp as ll
 
@@ -111,12 +119,17 @@ def primitive(path: Path, tokens: int, threads: int, widths: tuple[int, ...] = W
         last = []
         for seq in range(n):
             text = f"<start_of_turn>user\n{FIXED_PROMPT} (list {seq})<end_of_turn>\n<start_of_turn>model\n"
-            engine_tokens = [model.bos, *model.tokenize(text)]
-            for i, t in enumerate(engine_tokens):
-                batch.token[i], batch.pos[i], batch.n_seq_id[i], batch.logits[i] = t, i, 1, i == len(engine_tokens) - 1
-                batch.seq_id[i][0] = seq
-            batch.n_tokens = len(engine_tokens)
-            assert ll.llama_decode(ctx, batch) == 0
+            body = model.tokenize(text)
+            pad = model.tokenize(" ".join(f"{FIXED_PROMPT} ({seq}.{i})" for i in range(history // 8)))
+            engine_tokens = [model.bos, *pad[: max(0, history - len(body) - 1)], *body]
+            for start in range(0, len(engine_tokens), 512):
+                part = engine_tokens[start : start + 512]
+                for i, t in enumerate(part):
+                    batch.token[i], batch.pos[i], batch.n_seq_id[i] = t, start + i, 1
+                    batch.logits[i] = start + i == len(engine_tokens) - 1
+                    batch.seq_id[i][0] = seq
+                batch.n_tokens = len(part)
+                assert ll.llama_decode(ctx, batch) == 0
             chain = ll.llama_sampler_chain_init(ll.llama_sampler_chain_default_params())
             ll.llama_sampler_chain_add(chain, ll.llama_sampler_init_greedy())
             samplers.append(chain)
@@ -467,6 +480,7 @@ def main() -> int:
     ap.add_argument("--raw-only", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--primitive-only", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--prefill-only", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--history", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--only-new", action="store_true", help="only the rows 0-0e (engine vs primitive, options)")
     ap.add_argument("--pacing-only", action="store_true", help="only the rows 0e (prefill pacing)")
     ap.add_argument("--json", type=Path, default=Path(__file__).parent / "results" / "engine.json")
@@ -479,7 +493,7 @@ def main() -> int:
         print(primitive_prefill(path, ns.threads))
         return 0
     if ns.primitive_only:
-        print(primitive(path, ns.tokens, ns.threads, (ns.primitive_only,))[ns.primitive_only])
+        print(primitive(path, ns.tokens, ns.threads, (ns.primitive_only,), ns.history)[ns.primitive_only])
         return 0
     print(f"model {path.name}, {ns.threads} threads, {ns.tokens} tokens per reply\n")
     print(f"| {'figure':<52} | {'value':>17} | {'ratio':>7} | {'target':<8} |")

@@ -84,9 +84,9 @@ def main() -> int:
 
     from hotloop_serve.config import config_from_dict
     from hotloop_serve.serve.probe import free_port, wait_until_serving
-    from hotloop_serve.serve.runner import RAY_BACKGROUND_ENV, start_server, stop_server
+    from hotloop_serve.serve.runner import RAY_SERVE_ENV, start_server, stop_server
 
-    for name, value in RAY_BACKGROUND_ENV.items():  # before the head starts: its controller inherits them
+    for name, value in RAY_SERVE_ENV.items():  # before the head starts: its controller inherits them
         os.environ.setdefault(name, value)
     os.environ.setdefault("HOTLOOP_SESSION_SECRET", secrets.token_urlsafe(32))
     port = free_port()

@@ -7,15 +7,19 @@ fixed 64-token replies, prompts prefilled first so every row measures decoding):
 1. the primitive: llama.cpp's low-level batched loop (its own process; ``bench/engine.py``)
 2. the engine in-process (``Engine``)
 3. the servicer in-process (``ModelServicer.Generate``, asyncio, no Ray, no gRPC)
-4. the full stack: Python SDK (asyncio) -> Ray Serve's gRPC proxy -> replica -> engine
+4. the full stack: Python SDK (asyncio) -> Ray Serve's gRPC proxy -> replica -> engine, and
+   the same through the TypeScript client (``bench/stack_ts.cjs``, Node.js)
 5. through the full stack, one session's gaps between chunks, p50 and p99: decoding alone,
    then while three new sessions arrive with ~1,500-token prompts (ratio: to alone)
 
-with the ratio of each to the engine. The full stack runs with our Ray Serve loop intervals
-(``runner.RAY_BACKGROUND_ENV``) and once more with Ray's stock ones (their same-run
-baseline), each with the CPU time every process spent per generated token (client, Ray's
-proxy actor, the replica, the rest of Ray), from psutil. Decode tokens/s are counted from
-each stream's first to its last chunk.
+with the ratio of each to the engine. Row 2b attributes the full stack's loss: the engine
+in-process again, while a Ray Serve deployment of the same model idles beside it (Ray's
+daemons and Serve's loops wake up on the same cores). The full stack runs with our Ray
+settings (``runner.RAY_SERVE_ENV``: slower Serve control loops, Ray workers at nice 0) and
+once more with Ray's stock ones (their same-run baseline), each with the CPU time every
+process spent per generated token (client, Ray's proxy actor, the replica, the rest of Ray),
+from psutil. Decode tokens/s are counted from each stream's first to its last chunk; the
+engine and full-stack rows are the median of ``--repeats`` runs.
 
 Run: ``.venv/bin/python bench/stack.py [--tokens 64] [--json bench/results/stack.json]``.
 """
@@ -43,8 +47,13 @@ from hotloop_serve.engine import Engine, EngineOptions, SamplingSettings
 from hotloop_serve.serve.model_source import embedded_model_path
 
 WIDTHS = (1, 8)
-RAY_STOCK_ENV = {"RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.1", "RAY_SERVE_METRICS_EXPORT_INTERVAL_MS": "100"}
-"""Ray Serve 2.60's defaults, which ``hotloop_serve.serve.runner.RAY_BACKGROUND_ENV`` slows."""
+RAY_STOCK_ENV = {
+    "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.1",
+    "RAY_SERVE_METRICS_EXPORT_INTERVAL_MS": "100",
+    "RAY_worker_niceness": "15",
+}
+"""Ray Serve 2.60's defaults for what ``hotloop_serve.serve.runner.RAY_SERVE_ENV`` sets."""
+TS_DIR = Path(__file__).resolve().parent.parent / "clients" / "typescript"
 ROWS: list[dict[str, Any]] = []
 
 
@@ -59,6 +68,17 @@ def decode_rate(streams: list[tuple[float, float, int]]) -> float:
     first = min(s[0] for s in streams)
     last = max(s[1] for s in streams)
     return sum(max(0, n - 1) for _, _, n in streams) / max(last - first, 1e-9)
+
+
+def engine_rates(path: Path, tokens: int, threads: int, repeats: int, tag: str) -> dict[int, float]:
+    """The in-process engine's decode rate at each width, the median of ``repeats`` runs."""
+    greedy = SamplingSettings(temperature=0, sample_len=tokens, repeat_penalty=1.0)
+    rates: dict[int, float] = {}
+    with Engine(str(path), EngineOptions(threads=threads, context_tokens=16384)) as e:
+        for n in WIDTHS:
+            runs = sorted(fixed_run(e, n, tokens, greedy, f"{tag}{r}-")[0] for r in range(repeats))
+            rates[n] = runs[len(runs) // 2]
+    return rates
 
 
 def servicer_rate(path: Path, n: int, tokens: int, threads: int) -> float:
@@ -125,10 +145,57 @@ def cpu_seconds(procs: list[psutil.Process]) -> float:
     return total
 
 
+def ts_client() -> str | None:
+    """Why the TypeScript row can't run (None: it can); builds the client's dist/ if needed."""
+    import shutil
+    import subprocess
+
+    if shutil.which("node") is None or shutil.which("npm") is None:
+        return "node/npm not installed"
+    if not (TS_DIR / "dist" / "src" / "index.js").exists():
+        steps = ([] if (TS_DIR / "node_modules").exists() else [["npm", "ci"]]) + [["npm", "run", "build"]]
+        for cmd in steps:
+            done = subprocess.run(cmd, cwd=TS_DIR, capture_output=True, text=True, check=False)
+            if done.returncode != 0:
+                return f"{' '.join(cmd)} failed: {done.stderr[-300:]}"
+    return None
+
+
+def ts_run(address: str, n: int, tokens: int) -> tuple[list[tuple[float, float, int]], float]:
+    """One decode measurement through the TypeScript client: (streams, client CPU seconds)."""
+    import subprocess
+
+    script = Path(__file__).resolve().parent / "stack_ts.cjs"
+    done = subprocess.run(
+        ["node", str(script), address, "stack", str(n), str(tokens), FIXED_PROMPT],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=600,
+    )
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    return [tuple(x) for x in out["streams"]], float(out["cpu_s"])
+
+
+CLIENTS = ("Python SDK", "TypeScript client")
+
+
+def median_run(runs: list[tuple[float, dict[str, float]]]) -> tuple[float, dict[str, float]]:
+    """The run with the median rate (one run of 64 tokens at one session lasts under 2 s)."""
+    return sorted(runs, key=lambda r: r[0])[len(runs) // 2]
+
+
 def stack_rates(
-    tokens: int, threads: int, coalesce_ms: float = 0.0, gaps: dict[str, list[float]] | None = None
-) -> dict[int, tuple[float, dict[str, float]]]:
-    """Full-stack decode rate and CPU per token at each width; fills ``gaps`` if given."""
+    tokens: int,
+    threads: int,
+    coalesce_ms: float = 0.0,
+    gaps: dict[str, list[float]] | None = None,
+    typescript: bool = False,
+    repeats: int = 3,
+    beside: dict[int, float] | None = None,
+) -> dict[tuple[str, int], tuple[float, dict[str, float]]]:
+    """Full-stack decode rate and CPU per token per (client, width); fills ``gaps`` if given,
+    and ``beside`` with the in-process engine's rates while the deployment idles."""
     from hotloop_client import AsyncClient, Message, Role, Settings
 
     from hotloop_serve.config import config_from_dict
@@ -145,7 +212,7 @@ def stack_rates(
             "models": [{"name": "stack", "engine": engine, "resources": {"num_cpus": 1}}],
         }
     )
-    results: dict[int, tuple[float, dict[str, float]]] = {}
+    results: dict[tuple[str, int], tuple[float, dict[str, float]]] = {}
     start_server(config, num_cpus=4)
     try:
         address = f"127.0.0.1:{port}"
@@ -186,8 +253,23 @@ def stack_rates(
                     await s.close()
                 return decode_rate(streams), cpu
 
+        if beside is not None:
+            beside.update(engine_rates(embedded_model_path(), tokens, threads, repeats, "beside"))
         for n in WIDTHS:
-            results[n] = asyncio.run(run(n))
+            results[CLIENTS[0], n] = median_run([asyncio.run(run(n)) for _ in range(repeats)])
+        for n in WIDTHS if typescript else ():
+
+            def ts(n: int = n) -> tuple[float, dict[str, float]]:
+                groups = ray_processes()
+                before = {k: cpu_seconds(v) for k, v in groups.items()}
+                streams, client_cpu = ts_run(address, n, tokens)
+                after = {k: cpu_seconds(v) for k, v in groups.items()}
+                generated = sum(c for _, _, c in streams)
+                cpu = {k: (after[k] - before[k]) * 1e3 / generated for k in groups}
+                cpu["client (node)"] = client_cpu * 1e3 / generated
+                return decode_rate(streams), cpu
+
+            results[CLIENTS[1], n] = median_run([ts() for _ in range(repeats)])
         if gaps is not None:
             gaps.update(asyncio.run(inter_token_gaps(address)))
     finally:
@@ -250,41 +332,53 @@ def main() -> int:
         "--ray-stock-intervals",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="also run the full stack with Ray Serve's stock loop intervals (the baseline of RAY_BACKGROUND_ENV)",
+        help="also run the full stack with Ray Serve's stock settings (the baseline of runner.RAY_SERVE_ENV)",
+    )
+    ap.add_argument("--repeats", type=int, default=3, help="engine and full-stack rows: the median of this many runs")
+    ap.add_argument(
+        "--typescript",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also measure the full stack through the TypeScript client (Node.js; builds it if needed)",
     )
     ap.add_argument("--json", type=Path, default=Path(__file__).parent / "results" / "stack.json")
     ns = ap.parse_args()
     path = embedded_model_path(progress=True)
-    greedy = SamplingSettings(temperature=0, sample_len=ns.tokens, repeat_penalty=1.0)
     print(f"model {path.name}, {ns.threads} threads, {ns.tokens}-token replies\n")
     print(f"| {'layer':<58} | {'value':>16} | {'vs eng':>7} |")
     print(f"|{'-' * 60}|{'-' * 18}|{'-' * 9}|")
-    engine: dict[int, float] = {}
+    engine = engine_rates(path, ns.tokens, ns.threads, ns.repeats, "stack")
     for n in WIDTHS:
         prim = primitive_isolated(ns.tokens, ns.threads, n)
-        with Engine(str(path), EngineOptions(threads=ns.threads, context_tokens=16384)) as e:
-            engine[n], _ = fixed_run(e, n, ns.tokens, greedy, "stack")
         row(f"1. primitive batched loop, {n} seq", prim, "tok/s", engine[n])
         row(f"2. engine, {n} sessions (baseline)", engine[n], "tok/s")
         row(f"3. servicer in-process, {n} sessions", servicer_rate(path, n, ns.tokens, ns.threads), "tok/s", engine[n])
+    ts_missing = ts_client() if ns.typescript else "--no-typescript"
+    if ts_missing:
+        print(f"(no TypeScript row: {ts_missing})")
     passes = [(c, "") for c in ns.coalesce_ms]
     if ns.ray_stock_intervals:
-        passes.append((ns.coalesce_ms[0], "Ray's stock loop intervals"))
+        passes.append((ns.coalesce_ms[0], "Ray's stock settings"))
     for coalesce, variant in passes:
         saved = {k: os.environ.get(k) for k in RAY_STOCK_ENV}
         if variant:
             os.environ.update(RAY_STOCK_ENV)
         gaps: dict[str, list[float]] | None = {} if not variant and coalesce == ns.coalesce_ms[0] else None
         try:
-            rates = stack_rates(ns.tokens, ns.threads, coalesce, gaps)
+            first = not variant and coalesce == ns.coalesce_ms[0]
+            beside: dict[int, float] | None = {} if first else None
+            rates = stack_rates(ns.tokens, ns.threads, coalesce, gaps, first and not ts_missing, ns.repeats, beside)
+            for n, rate in (beside or {}).items():
+                row(f"2b. engine, {n} sessions, a Ray Serve deployment idle beside it", rate, "tok/s", engine[n])
         finally:
             for k, v in saved.items():
                 if v is None:
                     os.environ.pop(k, None)
                 else:
                     os.environ[k] = v
-        for n, (rate, cpu) in rates.items():
+        for (client, n), (rate, cpu) in rates.items():
             label = variant or f"coalesce {coalesce:g} ms"
+            label = label if client == CLIENTS[0] else f"{client}, {label}"
             row(f"4. full stack, {n} sessions, {label}", rate, "tok/s", engine[n])
             for who, ms in cpu.items():
                 print(f"|   {'CPU ms per token: ' + who:<56} | {ms:>9.2f} ms     |         |")

@@ -9,19 +9,31 @@ from hotloop_serve.serve.app import GRPC_SERVICER_FUNCTIONS, PROXY_MESSAGE_ENV, 
 from hotloop_serve.serve.declarative import deploy
 from hotloop_serve.serve.probe import wait_until_serving
 
-__all__ = ["RAY_BACKGROUND_ENV", "start_server", "stop_server", "wait_until_serving"]
+__all__ = ["RAY_SERVE_ENV", "start_server", "stop_server", "wait_until_serving"]
 
-RAY_BACKGROUND_ENV = {
+RAY_SERVE_ENV = {
     "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5",
     "RAY_SERVE_METRICS_EXPORT_INTERVAL_MS": "1000",
+    "RAY_worker_niceness": "0",
 }
-"""Ray Serve's own loops, slowed from 0.1 s and 100 ms. On a CPU machine llama.cpp's threads
-keep every core busy, and each slice another process takes stalls them all at their next
-barrier: at idle these loops cost 91 ms of CPU per second, 45 with these values. Under load
-the effect on the full stack is within run-to-run noise (``bench/stack.py`` measures both in
-one run: +8/+3 points of the engine's rate at 1/8 sessions in one run, -1/-2 in another). Failure
-detection, autoscaling and deploys react up to 0.4 s later. Set in the environment to override;
-the Helm chart sets the same values (a test checks they agree)."""
+"""How Ray runs here, set before it starts (its processes inherit them). On a CPU machine
+llama.cpp's threads keep every core busy, and each slice another process takes stalls them
+all at their next barrier (idle Ray beside an in-process engine costs it 7-10% of its tokens/s,
+``bench/stack.py`` row 2b), so:
+
+- Serve's control loop and metrics export run at 0.5 s and 1 s, not 0.1 s and 100 ms: at idle
+  Ray's loops cost 45 ms of CPU per second instead of 91. Failure detection, autoscaling and
+  deploys react up to 0.4 s later.
+- Ray's worker processes (our replicas among them) run at nice 0, not Ray's 15: at 15 the
+  engine yields its cores to every Ray daemon and client that wakes up.
+
+Both measured against Ray's stock values in one run of ``bench/stack.py``. Not set, though
+measured: ``RAY_SERVE_PROXY_USE_GRPC=1`` (the proxy reaches replicas over gRPC: about 5 points
+more of the engine's rate at 8 sessions) because Ray 2.60 marks it for testing, and with it a
+killed replica's turn failed with INTERNAL instead of moving to the runner-up
+(``tests/integration/test_affinity.py``). Set in the environment to override; the Helm chart
+sets the same values (a test checks they agree).
+"""
 
 
 def start_server(
@@ -41,7 +53,7 @@ def start_server(
 
     # Inherited by the proxy Ray starts below (a cluster joined with ``address`` keeps its own).
     os.environ.setdefault(PROXY_MESSAGE_ENV, str(proxy_message_limit(config)))
-    for name, value in RAY_BACKGROUND_ENV.items():
+    for name, value in RAY_SERVE_ENV.items():
         os.environ.setdefault(name, value)
     if not ray.is_initialized():
         ray.init(

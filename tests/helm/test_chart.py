@@ -671,12 +671,12 @@ def test_the_proxy_message_limit_follows_the_largest_request_limit(tmp_path: Pat
 
 
 @needs_helm
-def test_every_ray_pod_slows_serves_loops_as_the_local_server_does() -> None:
-    from hotloop_serve.serve.runner import RAY_BACKGROUND_ENV
+def test_every_ray_pod_runs_serve_as_the_local_server_does() -> None:
+    from hotloop_serve.serve.runner import RAY_SERVE_ENV
 
     for name, _, tmpl in pod_templates(rayservice("default")):
         env = env_of(tmpl["spec"]["containers"][0])
-        assert {k: env[k]["value"] for k in RAY_BACKGROUND_ENV} == RAY_BACKGROUND_ENV, name
+        assert {k: env[k]["value"] for k in RAY_SERVE_ENV} == RAY_SERVE_ENV, name
 
 
 @needs_helm

@@ -411,12 +411,15 @@ accepts (limits.max_request_bytes, 4 MiB by default) plus 64 KiB, so the replica
 {{- end }}
 - name: RAY_SERVE_GRPC_MAX_MESSAGE_SIZE
   value: {{ add $largest 65536 | quote }}
-{{- /* Serve's control and metrics loops, slowed as `hotloop-serve start` does
-(hotloop_serve/serve/runner.py RAY_BACKGROUND_ENV says why; bench/stack.py measures it). */}}
+{{- /* How Ray runs, as `hotloop-serve start` sets it: slower Serve control and metrics loops,
+workers (the replicas) at nice 0 (hotloop_serve/serve/runner.py RAY_SERVE_ENV says why;
+bench/stack.py measures it). */}}
 - name: RAY_SERVE_CONTROL_LOOP_INTERVAL_S
   value: "0.5"
 - name: RAY_SERVE_METRICS_EXPORT_INTERVAL_MS
   value: "1000"
+- name: RAY_worker_niceness
+  value: "0"
 {{- with .Values.otel }}
 {{- if .endpoint }}
 - name: OTEL_EXPORTER_OTLP_ENDPOINT
