@@ -145,6 +145,20 @@ def cpu_seconds(procs: list[psutil.Process]) -> float:
     return total
 
 
+class CpuMeter:
+    """CPU time of Ray's processes from now on, per generated token (with the client's, given)."""
+
+    def __init__(self) -> None:
+        self.groups = ray_processes()
+        self.before = {k: cpu_seconds(v) for k, v in self.groups.items()}
+
+    def per_token(self, streams: list[tuple[float, float, int]], client: str, client_s: float) -> dict[str, float]:
+        generated = sum(c for _, _, c in streams)
+        cpu = {k: (cpu_seconds(v) - self.before[k]) * 1e3 / generated for k, v in self.groups.items()}
+        cpu[client] = client_s * 1e3 / generated
+        return cpu
+
+
 def ts_client() -> str | None:
     """Why the TypeScript row can't run (None: it can); builds the client's dist/ if needed."""
     import shutil
@@ -227,8 +241,7 @@ def stack_rates(
                 histories = [[Message(Role.USER, f"{FIXED_PROMPT} (list {i})")] for i in range(n)]
                 for s, h in zip(sessions, histories, strict=True):
                     await s.warmup(h)
-                groups = ray_processes()
-                before = {k: cpu_seconds(v) for k, v in groups.items()}
+                meter = CpuMeter()
                 mine = me.cpu_times()
 
                 async def one(i: int) -> tuple[float, float, int]:
@@ -242,13 +255,9 @@ def stack_rates(
                     return first, last, count
 
                 streams = list(await asyncio.gather(*(one(i) for i in range(n))))
-                after = {k: cpu_seconds(v) for k, v in groups.items()}
                 mine_after = me.cpu_times()
-                generated = sum(c for _, _, c in streams)
-                cpu = {k: (after[k] - before[k]) * 1e3 / generated for k in groups}
-                cpu["client (this process)"] = (
-                    (mine_after.user + mine_after.system - mine.user - mine.system) * 1e3 / generated
-                )
+                client_s = mine_after.user + mine_after.system - mine.user - mine.system
+                cpu = meter.per_token(streams, "client (this process)", client_s)
                 for s in sessions:
                     await s.close()
                 return decode_rate(streams), cpu
@@ -260,14 +269,9 @@ def stack_rates(
         for n in WIDTHS if typescript else ():
 
             def ts(n: int = n) -> tuple[float, dict[str, float]]:
-                groups = ray_processes()
-                before = {k: cpu_seconds(v) for k, v in groups.items()}
-                streams, client_cpu = ts_run(address, n, tokens)
-                after = {k: cpu_seconds(v) for k, v in groups.items()}
-                generated = sum(c for _, _, c in streams)
-                cpu = {k: (after[k] - before[k]) * 1e3 / generated for k in groups}
-                cpu["client (node)"] = client_cpu * 1e3 / generated
-                return decode_rate(streams), cpu
+                meter = CpuMeter()
+                streams, client_s = ts_run(address, n, tokens)
+                return decode_rate(streams), meter.per_token(streams, "client (node)", client_s)
 
             results[CLIENTS[1], n] = median_run([ts() for _ in range(repeats)])
         if gaps is not None:

@@ -18,7 +18,7 @@ RAY_SERVE_ENV = {
 }
 """How Ray runs here, set before it starts (its processes inherit them). On a CPU machine
 llama.cpp's threads keep every core busy, and each slice another process takes stalls them
-all at their next barrier (idle Ray beside an in-process engine costs it 7-10% of its tokens/s,
+all at their next barrier (idle Ray beside an in-process engine costs it 6-10% of its tokens/s,
 ``bench/stack.py`` row 2b), so:
 
 - Serve's control loop and metrics export run at 0.5 s and 1 s, not 0.1 s and 100 ms: at idle
