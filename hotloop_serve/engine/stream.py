@@ -73,7 +73,7 @@ class Chunk:
 class RequestStream:
     """A one-producer queue of chunks (or one error) with sync and async readers."""
 
-    __slots__ = ("_cancel", "_cond", "_done", "_event", "_items", "_loop", "finished")
+    __slots__ = ("_cancel", "_cond", "_done", "_event", "_items", "_loop", "_waiting", "finished")
 
     def __init__(self, cancel: Callable[[], None]) -> None:
         self._items: deque[Chunk | HotloopError] = deque()
@@ -82,6 +82,10 @@ class RequestStream:
         self._event: asyncio.Event | None = None
         self._cancel = cancel
         self._done = False
+        self._waiting = False
+        """An async reader found nothing and awaits the event: only then is a wake-up owed (a
+        reader that is busy or sleeping out its coalescing window reads what it finds later,
+        so no event-loop wake-up per token)."""
         self.finished = False
 
     # -- producer side (scheduler thread) --
@@ -94,7 +98,8 @@ class RequestStream:
                 self._done = True
             self._cond.notify()
             loop, event = self._loop, self._event
-        if loop is not None and event is not None:
+            wake, self._waiting = self._waiting, False
+        if wake and loop is not None and event is not None:
             with contextlib.suppress(RuntimeError):  # the reader's loop is closed: nobody listens
                 loop.call_soon_threadsafe(event.set)
 
@@ -158,6 +163,7 @@ class RequestStream:
                     items = self._take()
                     if not items:
                         event.clear()
+                        self._waiting = True
                 if not items:
                     await event.wait()
                     continue

@@ -38,8 +38,9 @@ from __future__ import annotations
 
 import hashlib
 import pickle
+import time
 
-from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
+from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 _FIELDS = ("session_id", "session_key")
 MAX_DECODED_BYTES = 64 * 1024
@@ -49,6 +50,10 @@ SPILLS = frozenset({"Generate", "OpenAIChat"})
 """The calls that may run on a replica other than the session's owner (each carries the whole
 history: the next-ranked replica rebuilds the cache from it)."""
 
+
+UNAVAILABLE_HOLD_S = 10.0
+"""How long a replica whose call failed as unavailable is ranked last (until it answers a probe
+again, or the controller drops it): the next-ranked replica serves its sessions meanwhile."""
 
 PEER = "@"
 """Prefix of a key that names a peer replica instead of a session (no session key has it)."""
@@ -139,7 +144,34 @@ def rendezvous_order(key: str, ranks: list[str]) -> list[int]:
 
 
 class SessionAffinityRouter(RequestRouter):  # type: ignore[misc]
-    """Ray Serve request router implementing the rendezvous ranking above."""
+    """Ray Serve request router implementing the rendezvous ranking above.
+
+    A replica Ray reports unavailable (a call or a probe failed: it died and the controller has
+    not said so yet, or the network dropped it) ranks last for :data:`UNAVAILABLE_HOLD_S`, so a
+    session's next call goes to its runner-up at once. Ray drops a replica it knows to be dead
+    by itself (ActorDiedError), but a call through the gRPC transport only learns UNAVAILABLE,
+    and would otherwise be sent to the dead owner again until the controller removes it.
+    """
+
+    _unavailable: dict[str, float] | None = None
+
+    def _unavailable_now(self) -> frozenset[str]:
+        if not self._unavailable:
+            return frozenset()
+        now = time.monotonic()
+        self._unavailable = {r: t for r, t in self._unavailable.items() if t > now}
+        return frozenset(self._unavailable)
+
+    def on_replica_actor_unavailable(self, replica_id: ReplicaID) -> None:
+        super().on_replica_actor_unavailable(replica_id)
+        if self._unavailable is None:
+            self._unavailable = {}
+        self._unavailable[str(replica_id.unique_id)] = time.monotonic() + UNAVAILABLE_HOLD_S
+
+    def on_new_queue_len_info(self, replica_id: ReplicaID, num_ongoing_requests: int) -> None:
+        super().on_new_queue_len_info(replica_id, num_ongoing_requests)
+        if self._unavailable:  # it answered: available again
+            self._unavailable.pop(str(replica_id.unique_id), None)
 
     async def choose_replicas(
         self,
@@ -152,6 +184,9 @@ class SessionAffinityRouter(RequestRouter):  # type: ignore[misc]
         if key is None or len(candidate_replicas) <= 1:
             return [candidate_replicas]
         order = rendezvous_order(key, replica_names(candidate_replicas))
+        down = self._unavailable_now()
+        if down:  # a stable sort: the available ones keep their order, the others go last
+            order.sort(key=lambda i: str(candidate_replicas[i].replica_id.unique_id) in down)
         tiers = [[candidate_replicas[i]] for i in order]
         method = getattr(getattr(pending_request, "metadata", None), "call_method", "")
         return tiers if method in SPILLS else tiers[:1]

@@ -130,6 +130,12 @@ def test_turn_interrupted_keeps_partial_text() -> None:
             "The actor 4db3 is unavailable: The actor is temporarily unavailable: RpcError: Socket closed",
             True,
         ),
+        (  # a killed replica behind the gRPC transport (RAY_SERVE_PROXY_USE_GRPC)
+            grpc.StatusCode.INTERNAL,
+            "The actor 0170 is unavailable: Actor is unavailable.. "
+            "The task may or may not have been executed on the actor.",
+            True,
+        ),
         (grpc.StatusCode.INTERNAL, "Replica r-1 is unhealthy", True),
         (grpc.StatusCode.INTERNAL, "KeyError: 'x'", False),
         (grpc.StatusCode.NOT_FOUND, "replica", False),

@@ -137,6 +137,7 @@ _ACTOR_DIED_MARKERS = (
     "rayactorerror",
     "replica",
     "actor is temporarily unavailable",  # its node was lost (ActorUnavailableError)
+    "may or may not have been executed on the actor",  # the same, over the gRPC transport
 )
 
 

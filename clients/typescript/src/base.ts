@@ -122,6 +122,7 @@ const ACTOR_DIED_MARKERS = [
   "rayactorerror",
   "replica",
   "actor is temporarily unavailable", // its node was lost (ActorUnavailableError)
+  "may or may not have been executed on the actor", // the same, over the gRPC transport
 ];
 
 /**

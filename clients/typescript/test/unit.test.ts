@@ -83,6 +83,12 @@ describe("wire helpers", () => {
     assert.ok(base.isFailover(Status.UNAVAILABLE, ""));
     assert.ok(base.isFailover(Status.INTERNAL, "ray.exceptions.ActorDiedError: The actor died unexpectedly"));
     assert.ok(base.isFailover(Status.INTERNAL, "The actor 4db3 is unavailable: The actor is temporarily unavailable"));
+    assert.ok(
+      base.isFailover(
+        Status.INTERNAL,
+        "The actor 0170 is unavailable: Actor is unavailable.. The task may or may not have been executed on the actor.",
+      ),
+    );
     assert.ok(base.isFailover(Status.INTERNAL, "RayActorError: ..."));
     assert.ok(base.isFailover(Status.INTERNAL, "the actor died"));
     assert.ok(!base.isFailover(Status.INTERNAL, "KeyError: 'x'"));
