@@ -15,7 +15,8 @@ fixed 64-token replies, prompts prefilled first so every row measures decoding):
 with the ratio of each to the engine. Row 2b attributes the full stack's loss: the engine
 in-process again, while a Ray Serve deployment of the same model idles beside it (Ray's
 daemons and Serve's loops wake up on the same cores). The full stack runs with our Ray
-settings (``runner.RAY_SERVE_ENV``: slower Serve control loops, Ray workers at nice 0) and
+settings (``runner.RAY_SERVE_ENV``: slower Serve control loops, Ray workers at nice 0, proxies
+reaching replicas over gRPC) and
 once more with Ray's stock ones (their same-run baseline), each with the CPU time every
 process spent per generated token (client, Ray's proxy actor, the replica, the rest of Ray),
 from psutil. Decode tokens/s are counted from each stream's first to its last chunk; the
@@ -51,6 +52,7 @@ RAY_STOCK_ENV = {
     "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.1",
     "RAY_SERVE_METRICS_EXPORT_INTERVAL_MS": "100",
     "RAY_worker_niceness": "15",
+    "RAY_SERVE_PROXY_USE_GRPC": "0",
 }
 """Ray Serve 2.60's defaults for what ``hotloop_serve.serve.runner.RAY_SERVE_ENV`` sets."""
 TS_DIR = Path(__file__).resolve().parent.parent / "clients" / "typescript"

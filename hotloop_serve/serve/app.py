@@ -73,6 +73,18 @@ def proxy_message_limit(config: Config) -> int:
     return max(m.limits.max_request_bytes for m in config.models) + PROXY_MESSAGE_SLACK
 
 
+REPLICA_MESSAGE_ENV = "RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH"
+"""With the proxy reaching replicas over gRPC (``runner.RAY_SERVE_ENV``), the largest message a
+replica's gRPC server takes and a proxy takes back; Ray's default is 4 MiB, below a 4 MiB
+request in its envelope. Read once, when each Ray process starts."""
+
+
+def replica_message_limit(config: Config) -> int:
+    """The proxy's limit plus the envelope a request travels in to the replica (pickled
+    request metadata and arguments): :data:`PROXY_MESSAGE_SLACK` again."""
+    return proxy_message_limit(config) + PROXY_MESSAGE_SLACK
+
+
 CONTROL_HEADROOM = 4
 """Request slots of a replica kept for control RPCs (GetSession, ClearCache, CloseSession,
 UpdateSettings...) above its model work, so long streams never starve them."""

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import hashlib
 import pickle
-import time
+from time import monotonic
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
@@ -158,7 +158,7 @@ class SessionAffinityRouter(RequestRouter):  # type: ignore[misc]
     def _unavailable_now(self) -> frozenset[str]:
         if not self._unavailable:
             return frozenset()
-        now = time.monotonic()
+        now = monotonic()
         self._unavailable = {r: t for r, t in self._unavailable.items() if t > now}
         return frozenset(self._unavailable)
 
@@ -166,7 +166,7 @@ class SessionAffinityRouter(RequestRouter):  # type: ignore[misc]
         super().on_replica_actor_unavailable(replica_id)
         if self._unavailable is None:
             self._unavailable = {}
-        self._unavailable[str(replica_id.unique_id)] = time.monotonic() + UNAVAILABLE_HOLD_S
+        self._unavailable[str(replica_id.unique_id)] = monotonic() + UNAVAILABLE_HOLD_S
 
     def on_new_queue_len_info(self, replica_id: ReplicaID, num_ongoing_requests: int) -> None:
         super().on_new_queue_len_info(replica_id, num_ongoing_requests)

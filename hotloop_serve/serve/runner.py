@@ -5,7 +5,13 @@ from __future__ import annotations
 import os
 
 from hotloop_serve.config import Config
-from hotloop_serve.serve.app import GRPC_SERVICER_FUNCTIONS, PROXY_MESSAGE_ENV, proxy_message_limit
+from hotloop_serve.serve.app import (
+    GRPC_SERVICER_FUNCTIONS,
+    PROXY_MESSAGE_ENV,
+    REPLICA_MESSAGE_ENV,
+    proxy_message_limit,
+    replica_message_limit,
+)
 from hotloop_serve.serve.declarative import deploy
 from hotloop_serve.serve.probe import wait_until_serving
 
@@ -15,6 +21,7 @@ RAY_SERVE_ENV = {
     "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5",
     "RAY_SERVE_METRICS_EXPORT_INTERVAL_MS": "1000",
     "RAY_worker_niceness": "0",
+    "RAY_SERVE_PROXY_USE_GRPC": "1",
 }
 """How Ray runs here, set before it starts (its processes inherit them). On a CPU machine
 llama.cpp's threads keep every core busy, and each slice another process takes stalls them
@@ -26,13 +33,17 @@ all at their next barrier (idle Ray beside an in-process engine costs it 6-10% o
   deploys react up to 0.4 s later.
 - Ray's worker processes (our replicas among them) run at nice 0, not Ray's 15: at 15 the
   engine yields its cores to every Ray daemon and client that wakes up.
+- Serve's proxies reach the replicas over gRPC, not Ray's actor calls: the proxy spends about a
+  third less CPU per streamed token (1.1-1.7 ms against 1.7-3.0 in alternating runs of
+  ``bench/stack.py``'s full-stack row; earlier, on a quieter machine, about 5 points more of the
+  engine's rate at 8 sessions). A replica that dies then shows as *unavailable*, not dead, so
+  the session router ranks it last for a while (``router.py``) and the SDKs retry Ray's
+  "may or may not have been executed" error before any text arrived; the replicas' gRPC
+  message limit follows the request limit (``app.REPLICA_MESSAGE_ENV``).
 
-Both measured against Ray's stock values in one run of ``bench/stack.py``. Not set, though
-measured: ``RAY_SERVE_PROXY_USE_GRPC=1`` (the proxy reaches replicas over gRPC: about 5 points
-more of the engine's rate at 8 sessions) because Ray 2.60 marks it for testing, and with it a
-killed replica's turn failed with INTERNAL instead of moving to the runner-up
-(``tests/integration/test_affinity.py``). Set in the environment to override; the Helm chart
-sets the same values (a test checks they agree).
+The first two measured against Ray's stock values in one run of ``bench/stack.py``, the third
+in alternating runs. Set in the environment to override (``RAY_SERVE_PROXY_USE_GRPC=0``: Ray's
+actor calls); the Helm chart sets the same values (a test checks they agree).
 """
 
 
@@ -53,6 +64,7 @@ def start_server(
 
     # Inherited by the proxy Ray starts below (a cluster joined with ``address`` keeps its own).
     os.environ.setdefault(PROXY_MESSAGE_ENV, str(proxy_message_limit(config)))
+    os.environ.setdefault(REPLICA_MESSAGE_ENV, str(replica_message_limit(config)))
     for name, value in RAY_SERVE_ENV.items():
         os.environ.setdefault(name, value)
     if not ray.is_initialized():

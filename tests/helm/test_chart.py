@@ -653,11 +653,12 @@ def test_otel_environment() -> None:
 @needs_helm
 def test_the_proxy_message_limit_follows_the_largest_request_limit(tmp_path: Path) -> None:
     from hotloop_serve.config import config_from_dict
-    from hotloop_serve.serve.app import proxy_message_limit
+    from hotloop_serve.serve.app import proxy_message_limit, replica_message_limit
 
     for name, _, tmpl in pod_templates(rayservice("default")):
         env = env_of(tmpl["spec"]["containers"][0])
         assert env["RAY_SERVE_GRPC_MAX_MESSAGE_SIZE"]["value"] == str(4194304 + 65536), name
+        assert env["RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH"]["value"] == str(4194304 + 131072), name
     models = [
         {"name": "a", "limits": {"max_request_bytes": 1 << 20}},
         {"name": "b", "limits": {"max_request_bytes": 16 << 20}},
@@ -666,8 +667,9 @@ def test_the_proxy_message_limit_follows_the_largest_request_limit(tmp_path: Pat
     assert result.returncode == 0, result.stderr
     (rs,) = [d for d in yaml.safe_load_all(result.stdout) if d and d["kind"] == "RayService"]
     head = rs["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]["spec"]["containers"][0]
-    expected = proxy_message_limit(config_from_dict({"models": models}))
-    assert env_of(head)["RAY_SERVE_GRPC_MAX_MESSAGE_SIZE"]["value"] == str(expected)
+    config = config_from_dict({"models": models})
+    assert env_of(head)["RAY_SERVE_GRPC_MAX_MESSAGE_SIZE"]["value"] == str(proxy_message_limit(config))
+    assert env_of(head)["RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH"]["value"] == str(replica_message_limit(config))
 
 
 @needs_helm

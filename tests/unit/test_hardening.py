@@ -166,9 +166,10 @@ def test_several_replicas_without_a_secret_are_refused(monkeypatch: pytest.Monke
 
 
 def test_the_proxy_message_limit_follows_the_request_limit() -> None:
-    from hotloop_serve.serve.app import PROXY_MESSAGE_SLACK, proxy_message_limit
+    from hotloop_serve.serve.app import PROXY_MESSAGE_SLACK, proxy_message_limit, replica_message_limit
 
     config = config_from_dict(
         {"models": [{"name": "a", "limits": {"max_request_bytes": 1 << 20}}, {"name": "b"}]}
     )  # b keeps the default 4 MiB
     assert proxy_message_limit(config) == (4 << 20) + PROXY_MESSAGE_SLACK
+    assert replica_message_limit(config) == proxy_message_limit(config) + PROXY_MESSAGE_SLACK

@@ -203,6 +203,31 @@ def test_removing_a_replica_moves_only_its_sessions(router: SessionAffinityRoute
     assert 0 < moved < len(requests) / 2
 
 
+def test_an_unavailable_owner_ranks_last_until_it_answers(
+    router: SessionAffinityRouter, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Over the gRPC transport a dead replica is only *unavailable* to Ray: its sessions go to
+    their runner-up at once (every RPC, not only Generate), and come back when it answers a
+    probe again or the hold expires."""
+    import hotloop_serve.serve.router as router_module
+
+    pool = replicas(3)
+    sid = IDS.new("a", "unavailable-owner")
+    generate = pending(session_pb2.GenerateRequest(session_id=sid))
+    get = pending(session_pb2.GetSessionRequest(session_id=sid))
+    ranking = [tier[0] for tier in choose(router, pool, generate)]
+    owner = next(r for r in pool if r.unique_id == ranking[0])
+    router.on_replica_actor_unavailable(owner.replica_id)
+    assert [tier[0] for tier in choose(router, pool, generate)] == [*ranking[1:], ranking[0]]
+    assert choose(router, pool, get) == [[ranking[1]]]
+    router.on_new_queue_len_info(owner.replica_id, 0)  # it answered a probe
+    assert choose(router, pool, get) == [[ranking[0]]]
+    router.on_replica_actor_unavailable(owner.replica_id)
+    later = router_module.monotonic() + router_module.UNAVAILABLE_HOLD_S + 1
+    monkeypatch.setattr(router_module, "monotonic", lambda: later)
+    assert choose(router, pool, get) == [[ranking[0]]]  # the hold expired: tried again
+
+
 def test_a_replica_without_a_published_rank_hashes_on_its_id(router: SessionAffinityRouter) -> None:
     pool = [FakeReplica("a", None), FakeReplica("b", None)]
     request = pending(session_pb2.GenerateRequest(session_id=IDS.new("a", "unranked-key")))

@@ -411,8 +411,12 @@ accepts (limits.max_request_bytes, 4 MiB by default) plus 64 KiB, so the replica
 {{- end }}
 - name: RAY_SERVE_GRPC_MAX_MESSAGE_SIZE
   value: {{ add $largest 65536 | quote }}
+{{- /* The same plus the envelope a request travels in from proxy to replica over Ray's gRPC
+transport (app.py replica_message_limit). */}}
+- name: RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH
+  value: {{ add $largest 131072 | quote }}
 {{- /* How Ray runs, as `hotloop-serve start` sets it: slower Serve control and metrics loops,
-workers (the replicas) at nice 0 (hotloop_serve/serve/runner.py RAY_SERVE_ENV says why;
+workers (the replicas) at nice 0, proxies reaching replicas over gRPC (hotloop_serve/serve/runner.py RAY_SERVE_ENV says why;
 bench/stack.py measures it). */}}
 - name: RAY_SERVE_CONTROL_LOOP_INTERVAL_S
   value: "0.5"
@@ -420,6 +424,8 @@ bench/stack.py measures it). */}}
   value: "1000"
 - name: RAY_worker_niceness
   value: "0"
+- name: RAY_SERVE_PROXY_USE_GRPC
+  value: "1"
 {{- with .Values.otel }}
 {{- if .endpoint }}
 - name: OTEL_EXPORTER_OTLP_ENDPOINT
