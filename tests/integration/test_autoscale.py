@@ -29,6 +29,11 @@ APP = "gemma-autoscale"
 SECRET = "autoscale-secret-0123456789abcdef"
 SESSIONS = 6
 LOADED_AFTER_SCALE_OUT_S = 15
+"""At least this long under load after the scale-out (the routers learn of the new replica)..."""
+TURNS_AFTER_SCALE_OUT = 2
+"""...and until every session has started this many turns since, however slow the machine (a
+first turn of 6 sessions at once takes 10-40 s on two shared cores)."""
+LOAD_TIMEOUT_S = 240
 GREEDY = Settings(temperature=0, sample_len=16, repeat_penalty=1.0)
 
 
@@ -59,6 +64,7 @@ def autoscaled(server: Server) -> Iterator[Server]:
 @dataclass
 class Turn:
     session: int
+    started: float
     at: float
     replica: str
     share: float
@@ -75,12 +81,13 @@ class Chat:
 
     def turn(self, text: str) -> Turn:
         self.transcript.append(Message(Role.USER, text))
+        started = time.monotonic()
         chunks = list(self.session.generate(self.transcript))
         self.transcript.append(Message(Role.ASSISTANT, "".join(c.text for c in chunks)))
         last = chunks[-1]
         assert last.usage is not None and last.served_by is not None
         share = (last.usage.cached_tokens + last.usage.restored_tokens) / last.usage.prompt_tokens
-        return Turn(self.index, time.monotonic(), last.served_by.replica, share)
+        return Turn(self.index, started, time.monotonic(), last.served_by.replica, share)
 
 
 def paths(turns: list[Turn], first: str) -> dict[int, str]:
@@ -131,7 +138,16 @@ def test_autoscaling_out_and_in_keeps_session_caches(autoscaled: Server) -> None
             t.start()
         scaled_out_s = wait_for(2, 150)
         (second,) = set(running()) - {first}
-        time.sleep(LOADED_AFTER_SCALE_OUT_S)  # the sessions the new replica owns come to it (fetched on first use)
+        scaled_out_at = time.monotonic()
+
+        def started_since(chat: Chat) -> int:
+            return sum(1 for t in list(turns) if t.session == chat.index and t.started > scaled_out_at)
+
+        # The sessions the new replica owns come to it (fetched on first use).
+        time.sleep(LOADED_AFTER_SCALE_OUT_S)
+        while min(map(started_since, chats)) < TURNS_AFTER_SCALE_OUT and not failures:
+            assert time.monotonic() - scaled_out_at < LOAD_TIMEOUT_S, [started_since(c) for c in chats]
+            time.sleep(0.5)
         stop.set()
         for t in threads:
             t.join(timeout=120)
