@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import hashlib
 import pickle
+from collections.abc import Callable
 from time import monotonic
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
@@ -154,11 +155,12 @@ class SessionAffinityRouter(RequestRouter):  # type: ignore[misc]
     """
 
     _unavailable: dict[str, float] | None = None
+    clock: Callable[[], float] = staticmethod(monotonic)
 
     def _unavailable_now(self) -> frozenset[str]:
         if not self._unavailable:
             return frozenset()
-        now = monotonic()
+        now = self.clock()
         self._unavailable = {r: t for r, t in self._unavailable.items() if t > now}
         return frozenset(self._unavailable)
 
@@ -166,7 +168,7 @@ class SessionAffinityRouter(RequestRouter):  # type: ignore[misc]
         super().on_replica_actor_unavailable(replica_id)
         if self._unavailable is None:
             self._unavailable = {}
-        self._unavailable[str(replica_id.unique_id)] = monotonic() + UNAVAILABLE_HOLD_S
+        self._unavailable[str(replica_id.unique_id)] = self.clock() + UNAVAILABLE_HOLD_S
 
     def on_new_queue_len_info(self, replica_id: ReplicaID, num_ongoing_requests: int) -> None:
         super().on_new_queue_len_info(replica_id, num_ongoing_requests)

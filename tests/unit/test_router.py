@@ -21,7 +21,13 @@ from ray.serve._private.common import (
 )
 from ray.serve.request_router import PendingRequest
 
-from hotloop_serve.serve.router import MAX_DECODED_BYTES, SessionAffinityRouter, peer_address, replica_names
+from hotloop_serve.serve.router import (
+    MAX_DECODED_BYTES,
+    UNAVAILABLE_HOLD_S,
+    SessionAffinityRouter,
+    peer_address,
+    replica_names,
+)
 from hotloop_serve.serve.session_ids import SessionIds
 
 DEPLOYMENT = DeploymentID(name="ModelDeployment", app_name="gemma-3-270m")
@@ -209,8 +215,6 @@ def test_an_unavailable_owner_ranks_last_until_it_answers(
     """Over the gRPC transport a dead replica is only *unavailable* to Ray: its sessions go to
     their runner-up at once (every RPC, not only Generate), and come back when it answers a
     probe again or the hold expires."""
-    import hotloop_serve.serve.router as router_module
-
     pool = replicas(3)
     sid = IDS.new("a", "unavailable-owner")
     generate = pending(session_pb2.GenerateRequest(session_id=sid))
@@ -223,8 +227,8 @@ def test_an_unavailable_owner_ranks_last_until_it_answers(
     router.on_new_queue_len_info(owner.replica_id, 0)  # it answered a probe
     assert choose(router, pool, get) == [[ranking[0]]]
     router.on_replica_actor_unavailable(owner.replica_id)
-    later = router_module.monotonic() + router_module.UNAVAILABLE_HOLD_S + 1
-    monkeypatch.setattr(router_module, "monotonic", lambda: later)
+    later = router.clock() + UNAVAILABLE_HOLD_S + 1
+    monkeypatch.setattr(router, "clock", lambda: later)
     assert choose(router, pool, get) == [[ranking[0]]]  # the hold expired: tried again
 
 
