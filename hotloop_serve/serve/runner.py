@@ -34,12 +34,13 @@ all at their next barrier (idle Ray beside an in-process engine costs it 6-10% o
 - Ray's worker processes (our replicas among them) run at nice 0, not Ray's 15: at 15 the
   engine yields its cores to every Ray daemon and client that wakes up.
 - Serve's proxies reach the replicas over gRPC, not Ray's actor calls: the proxy spends about a
-  third less CPU per streamed token (1.1-1.7 ms against 1.7-3.0 in alternating runs of
-  ``bench/stack.py``'s full-stack row; earlier, on a quieter machine, about 5 points more of the
-  engine's rate at 8 sessions). A replica that dies then shows as *unavailable*, not dead, so
-  the session router ranks it last for a while (``router.py``) and the SDKs retry Ray's
-  "may or may not have been executed" error before any text arrived; the replicas' gRPC
-  message limit follows the request limit (``app.REPLICA_MESSAGE_ENV``).
+  fifth less CPU per streamed token (medians of 5 alternating runs of ``bench/stack.py``'s
+  full-stack row: 1.72 against 2.19 ms at 1 session, 1.39 against 1.74 at 8), at the same
+  tokens/s within that machine's noise (earlier, on a quieter one, 5 points more at 8
+  sessions). A replica that dies then shows as *unavailable*, not dead, so the session router
+  ranks it last for a while (``router.py``) and the SDKs retry Ray's "may or may not have been
+  executed" error before any text arrived; the replicas' gRPC message limit follows the
+  request limit (``app.REPLICA_MESSAGE_ENV``).
 
 The first two measured against Ray's stock values in one run of ``bench/stack.py``, the third
 in alternating runs. Set in the environment to override (``RAY_SERVE_PROXY_USE_GRPC=0``: Ray's
