@@ -247,13 +247,15 @@ class HotloopServer:
     2 cores would mostly wait on each other.
     """
 
-    def __init__(self, key: str, replicas: int, threads: int) -> None:
+    def __init__(self, key: str, replicas: int, threads: int, engine: dict[str, Any] | None = None) -> None:
         self.key = key
         self.replicas = replicas
         self.threads = max(1, threads // replicas)
         self.grpc_port = free_port()
         self.http_port = free_port()
         self.label = f"hotloop-serve, {replicas} replica{'s' if replicas > 1 else ''}"
+        if engine:
+            self.label += ", " + ", ".join(f"{k} {v}" for k, v in engine.items())
         self.config: dict[str, Any] = {
             "server": {"grpc_port": self.grpc_port, "http_port": self.http_port},
             "telemetry": {"enabled": False},
@@ -267,6 +269,7 @@ class HotloopServer:
                         "session_context_tokens": 8192,
                         "hot_sessions": 8,
                         "threads": self.threads,
+                        **(engine or {}),
                     },
                 }
             ],

@@ -12,7 +12,9 @@ One run measures, one server at a time, each started as a subprocess and stopped
 
   a. ``python -m llama_cpp.server`` configured as a careful user would (see ``PeerServer``);
   b. hotloop-serve with one replica;
-  c. hotloop-serve with two replicas on the same machine (the cores are split between them).
+  c. hotloop-serve with two replicas on the same machine (the cores are split between them);
+  s. hotloop-serve with one replica and the engine's other prefill policy, ``shortest_first``
+     (the same-run baseline of the default ``fair`` one).
 
     .venv/bin/python bench/peer.py                 # default: 8 sessions x 4 turns, a, b, c
     .venv/bin/python bench/peer.py --quick         # smoke test (tiny workload)
@@ -275,7 +277,7 @@ def markdown(results: list[SystemResult], workload: Workload, machine: dict[str,
         )
     by_key = {r.key: r.summary for r in results}
     lines.append("")
-    for k in ("b", "c"):
+    for k in ("b", "c", "s"):
         if "a" in by_key and k in by_key:
             a, x = by_key["a"], by_key[k]
             lines.append(
@@ -322,7 +324,7 @@ def decode_context(results: list[SystemResult]) -> int:
     tokens = weighted = 0
     for r in results:
         for t in r.turns:
-            if r.key in ("b", "c") and t.error is None and t.prompt_tokens is not None:
+            if r.key in ("b", "c", "s") and t.error is None and t.prompt_tokens is not None:
                 tokens += t.tokens
                 weighted += t.tokens * (t.prompt_tokens + t.tokens // 2)
     return weighted // tokens if tokens else 0
@@ -357,7 +359,7 @@ def roofline(
     ]
     for r in results:
         records = [t for t in r.turns if t.error is None]
-        if r.key not in ("b", "c") or not records or any(t.prefilled_tokens is None for t in records):
+        if r.key not in ("b", "c", "s") or not records or any(t.prefilled_tokens is None for t in records):
             continue
         prefill = sum(t.prefilled_tokens or 0 for t in records)
         decode = sum(t.tokens for t in records)
@@ -422,7 +424,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--sessions", type=int, default=8, help="concurrent chat sessions (default 8)")
     p.add_argument("--turns", type=int, default=4, help="turns per session (default 4)")
     p.add_argument("--sample-len", type=int, default=48, help="tokens generated per turn (default 48)")
-    p.add_argument("--systems", default="a,b,c", help="which of a (peer), b (1 replica), c (2 replicas)")
+    p.add_argument(
+        "--systems",
+        default="a,b,c",
+        help="which of a (peer), b (1 replica), c (2 replicas), s (1 replica, prefill_policy shortest_first)",
+    )
     p.add_argument("--quick", action="store_true", help="tiny workload (2 sessions x 2 turns) for a smoke test")
     p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)), help="CPU threads per server")
     p.add_argument("--out", type=Path, default=RESULTS, help="results folder (default bench/results)")
@@ -446,9 +452,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         # SIG_IGN, is reset to the default in the child; it also makes Ctrl-C work here.
         signal.signal(signal.SIGINT, signal.default_int_handler)
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
-    unknown = set(systems) - {"a", "b", "c"}
+    unknown = set(systems) - {"a", "b", "c", "s"}
     if unknown or not systems:
-        print(f"--systems: unknown {sorted(unknown)}; pick from a,b,c", file=sys.stderr)
+        print(f"--systems: unknown {sorted(unknown)}; pick from a,b,c,s", file=sys.stderr)
         return 2
     if args.quick:
         spec = WorkloadSpec(sessions=2, turns=2, sample_len=8, first_turn_words=150)
@@ -471,6 +477,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "a": lambda: PeerServer(model_path, args.threads),
         "b": lambda: HotloopServer("b", 1, args.threads),
         "c": lambda: HotloopServer("c", 2, args.threads),
+        "s": lambda: HotloopServer("s", 1, args.threads, {"prefill_policy": "shortest_first"}),
     }
     results: list[SystemResult] = []
     for key in systems:  # one server at a time: they would fight over the same cores

@@ -41,6 +41,13 @@ class EngineOptions:
     this long (sized from measured step times), so a decoding session's time between tokens
     stays near it while newcomers prefill; a newcomer's prompt then takes more, shorter steps
     (bench/engine.py row 0e measures both sides). 0 = ``prefill_chunk`` tokens per step."""
+    prefill_policy: str = "fair"
+    """How prompts share a step's prefill budget. ``fair``: long prompts get equal shares, so
+    sessions whose first turns arrive together finish prefilling together and then decode in
+    the same, wide steps (the best throughput for a burst of new chats; bench/peer.py); prompts
+    of at most ``prefill_chunk / 2`` tokens (follow-up messages) still go first. ``shortest_first``:
+    the prompt closest to done first (lower mean first-token time for a burst, but the sessions
+    then decode out of step, in narrower batches)."""
     shared_prefix_min_tokens: int = 16
     """Shortest common prefix worth copying from another session of the same owner."""
     threads: int = 0
@@ -88,6 +95,7 @@ class EngineOptions:
             "batch_tokens": 8 <= self.batch_tokens <= 8192 and self.batch_tokens >= self.hot_sessions,
             "prefill_chunk": 1 <= self.prefill_chunk <= self.batch_tokens,
             "step_target_ms": 0 <= self.step_target_ms <= 60_000,
+            "prefill_policy": self.prefill_policy in ("fair", "shortest_first"),
             "shared_prefix_min_tokens": self.shared_prefix_min_tokens >= 1,
             "threads": self.threads >= 0,
             "gpu_layers": self.gpu_layers >= -1,

@@ -163,6 +163,7 @@ class Engine:
             lone_last_token=opts.batch_invariant,
             end=self._end_request,
             step_target_ms=opts.step_target_ms,
+            fair_prefill=opts.prefill_policy == "fair",
         )
 
         self._lock = threading.Lock()

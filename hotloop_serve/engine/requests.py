@@ -169,5 +169,10 @@ class Request:
         return len(self.prompt) - len(self.session.tokens)
 
     @property
+    def prefill_total(self) -> int:
+        """Prompt tokens this request had to prefill when it started (what is not cached)."""
+        return max(self.usage.prefilled_tokens, self.prefill_remaining)
+
+    @property
     def live(self) -> bool:
         return not self.state.terminal

@@ -12,10 +12,12 @@ Rules, in order of precedence:
   sequence or room for its prompt can be had by evicting idle sessions. When nothing else
   runs it is admitted anyway (a session always fits an empty pool).
 - **Batch** (:func:`plan_batch`): every decoding request gets exactly one token; prefill
-  takes what is left, shortest remaining prompt first (a short hot follow-up never waits
-  behind a long cold prompt), at most ``prefill_chunk`` tokens per prompt and per step
-  whenever another request shares the engine (so a step stays short for whoever waits on it;
-  several long prompts still fill the batch together). A prompt alone takes the whole batch.
+  takes what is left, short prompts first and in full (a hot follow-up never waits behind a
+  long cold prompt), long prompts in equal shares (a burst of new chats finishes prefilling
+  together, so its sessions decode in the same wide steps instead of drifting apart: on the
+  chat workload that is most of the distance to the machine's roofline), at most
+  ``prefill_chunk`` tokens per prompt and per step whenever another request shares the engine
+  (so a step stays short for whoever waits on it). A prompt alone takes the whole batch.
   While some requests are decoding, the prefill of a step is paced (:class:`PrefillPacer`):
   sized from the measured cost of a step so the step lasts about ``step_target_ms``, the
   decoders' time between tokens; on a fast device that allows more than ``prefill_chunk``.
@@ -47,6 +49,9 @@ class Schedulable(Protocol):
 
     @property
     def needs_logits(self) -> bool: ...
+
+    @property
+    def prefill_total(self) -> int: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,6 +112,7 @@ def plan_batch(
     prefill_chunk: int,
     lone_last_token: bool = True,
     paced_budget: int | None = None,
+    fair: bool = True,
 ) -> BatchPlan:
     """One step's batch for ``active`` within ``batch_tokens`` tokens.
 
@@ -114,6 +120,14 @@ def plan_batch(
     the logits of its first token never depend on how the prompt was split (batch invariance).
     ``paced_budget``: prefill tokens allowed beside decoders (:class:`PrefillPacer`); by
     default ``prefill_chunk``.
+    ``fair=False``: shortest remaining prompt first, each up to ``prefill_chunk`` per step.
+    ``fair=True`` (see :func:`_share_long_prompts`): short prompts (at most ``prefill_chunk / 2``
+    tokens: follow-up messages) first and in full (the first of them even past the paced
+    budget: a follow-up split over two steps costs its user a step), but while nobody decodes
+    only one starts per step: follow-ups that arrive together (sessions whose replies ended in
+    the same step) then decode out of phase, so each later follow-up is prefilled beside the
+    others' decoding instead of all of them waiting for one long step. Long prompts share the
+    rest so that prompts that arrived together finish together.
     """
     decode = tuple(i for i, r in enumerate(active) if r.decoding)
     budget = batch_tokens - len(decode)
@@ -123,21 +137,77 @@ def plan_batch(
         (i for i, r in enumerate(active) if not r.decoding and r.prefill_remaining > 0),
         key=lambda i: (active[i].prefill_remaining, i),
     )
-    prefill: list[tuple[int, int]] = []
     contended = len(active) > 1
+    cap = prefill_chunk if contended and not decode else budget  # a long prompt never fills a step others wait on
+    needs = {i: _need(active[i], lone_last_token) for i in waiting}
+    prefill: list[tuple[int, int]] = []
+    if fair:
+        short = [i for i in waiting if active[i].prefill_total <= prefill_chunk // 2]
+        started = whole = False
+        for i in short:
+            n = needs[i]
+            fresh = active[i].prefill_remaining == active[i].prefill_total and n > 1
+            if fresh and not decode and started:
+                continue  # one per step: their sessions then decode out of phase (see above)
+            started = started or fresh
+            if n == 1 or (n > 1 and not whole):
+                take, whole = n, whole or n > 1  # a last token, and one follow-up, past the budget
+            else:
+                take = min(n, budget)
+            if take > 0:
+                prefill.append((i, take))
+                budget -= take
+        long = [i for i in waiting if i not in short]
+        prefill += _share_long_prompts([(i, needs[i]) for i in long], budget, cap)
+        return BatchPlan(decode, tuple(prefill))
     for i in waiting:
         if budget <= 0:
             break
-        r = active[i]
-        n = r.prefill_remaining
-        if lone_last_token and n > 1 and r.needs_logits:
-            n -= 1
-        take = min(n, budget)
-        if contended and not decode:
-            take = min(take, prefill_chunk)  # a long prompt never fills a step others are waiting on
+        take = min(needs[i], budget, cap)
         prefill.append((i, take))
         budget -= take
     return BatchPlan(decode, tuple(prefill))
+
+
+def _need(r: Schedulable, lone_last_token: bool) -> int:
+    """Prompt tokens a request can prefill now (its last one waits for a step of its own)."""
+    n = r.prefill_remaining
+    return n - 1 if lone_last_token and n > 1 and r.needs_logits else n
+
+
+def _share_long_prompts(needs: list[tuple[int, int]], budget: int, cap: int) -> list[tuple[int, int]]:
+    """Split ``budget`` among long prompts ``(index, tokens needed)``, each at most ``cap``.
+
+    Every prompt gets a floor of half an equal share (an early prompt keeps advancing beside a
+    newcomer); the rest goes to whoever has the most left, levelling them. Prompts that arrived
+    together, of different lengths, so finish in the same step: had the shortest finished
+    first, its session would decode alone while the others' prompts were paced beside it, a
+    few tokens a step (bench/peer.py: a burst of new chats then took ~30% longer).
+    """
+    if not needs or budget <= 0:
+        return []
+    floor = max(1, budget // (2 * len(needs)))
+    take = {i: min(n, floor, cap) for i, n in needs}
+    left = budget - sum(take.values())
+    room = {i: min(n, cap) - take[i] for i, n in needs}
+    rest = {i: n - take[i] for i, n in needs}
+    while left > 0:
+        open_ = [i for i in room if room[i] > 0]
+        if not open_:
+            break
+        top = max(rest[i] for i in open_)
+        leaders = [i for i in open_ if rest[i] == top]
+        below = max((rest[i] for i in open_ if rest[i] < top), default=0)
+        step = min(top - below, *(room[i] for i in leaders), max(1, left // len(leaders)))
+        for i in leaders:
+            give = min(step, left)
+            take[i] += give
+            room[i] -= give
+            rest[i] -= give
+            left -= give
+            if left == 0:
+                break
+    return [(i, take[i]) for i, _ in needs if take[i] > 0]
 
 
 EndRequest = Callable[[Request, RequestState, HotloopError | None], None]
@@ -156,6 +226,7 @@ class Scheduler:
         lone_last_token: bool,
         end: EndRequest,
         step_target_ms: float = 0.0,
+        fair_prefill: bool = True,
     ) -> None:
         self.kv = kv
         self.max_running = max_running
@@ -163,6 +234,7 @@ class Scheduler:
         self.prefill_chunk = prefill_chunk
         self.pacer = PrefillPacer(step_target_ms, prefill_chunk, batch_tokens)
         self.lone_last_token = lone_last_token
+        self.fair_prefill = fair_prefill
         self._end = end
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -184,7 +256,9 @@ class Scheduler:
 
     def _plan(self) -> BatchPlan:
         paced = self.pacer.budget()
-        return plan_batch(self.running, self.batch_tokens, self.prefill_chunk, self.lone_last_token, paced)
+        return plan_batch(
+            self.running, self.batch_tokens, self.prefill_chunk, self.lone_last_token, paced, self.fair_prefill
+        )
 
     def _make_room(self, tokens: int) -> bool:
         return self.kv.make_room(tokens, [r.session for r in self.running])

@@ -26,8 +26,8 @@ Algorithm (rendezvous / highest-random-weight hashing over replica *ranks*):
    session after a fleet change, listing), whatever ranks they are hashed on at that moment
    (Ray renumbers ranks after a downscale, and routers learn it only at their next poll). An
    index past the peers the router knows wraps around (asking a peer twice is harmless); with
-   no peer known yet it is waited for (Ray retries) until the caller's timeout. It never lands
-   on the caller itself.
+   no peer known yet it is waited for (Ray retries, backing off) until the caller gives up. It
+   never lands on the caller itself.
 
 Every proxy and every handle computes the same ranking with no shared state. The class is
 pickled by value into Ray's proxies, so it imports only the standard library, Ray and the
@@ -180,6 +180,15 @@ class SessionAffinityRouter(RequestRouter):  # type: ignore[misc]
         candidate_replicas: list[RunningReplica],
         pending_request: PendingRequest | None = None,
     ) -> list[list[RunningReplica]]:
+        if pending_request is not None:
+            # Ray's retry loop sleeps between rounds only when told to: without this, a request
+            # waiting for a full owner or for a peer that does not exist spins a core (and the
+            # GIL of the proxy or replica it runs in) until it is routed.
+            pending_request.routing_context.should_backoff = True
+            if pending_request.future.done() and candidate_replicas:
+                # Cancelled (its caller timed out): any tier makes Ray's loop see that and stop;
+                # a peer lookup with no peer would otherwise be retried for ever.
+                return [candidate_replicas]
         key = request_key(pending_request)
         if key is not None and key.startswith(PEER):
             return [_peer(key, candidate_replicas)]

@@ -24,6 +24,12 @@ class R:
     decoding: bool
     prefill_remaining: int
     needs_logits: bool = False
+    total: int = 0
+    """Prompt tokens to prefill when it started (default: none done yet)."""
+
+    @property
+    def prefill_total(self) -> int:
+        return max(self.total, self.prefill_remaining)
 
 
 def test_decoders_get_one_token_each_and_prefill_is_chunked_beside_them() -> None:
@@ -46,9 +52,44 @@ def test_a_prompt_alone_uses_the_whole_batch() -> None:
     assert plan_batch([R(False, 600)], batch_tokens=512, prefill_chunk=128).prefill == ((0, 512),)
 
 
-def test_several_long_prompts_share_the_batch_in_chunks_in_arrival_order() -> None:
-    plan = plan_batch([R(False, 300)] * 5, batch_tokens=512, prefill_chunk=128)
+def test_prompts_that_arrive_together_finish_prefilling_in_the_same_step() -> None:
+    # A burst of new chats of different lengths: the longest get more until all are level,
+    # so no session starts decoding alone (its decoding would pace the others' prefill).
+    burst = [R(False, n, True, n) for n in (950, 1000, 1020, 1050, 1080, 1100, 1060, 990)]
+    steps = 0
+    while any(r.prefill_remaining > 1 for r in burst):
+        plan = plan_batch(burst, batch_tokens=512, prefill_chunk=128)
+        assert plan.new_tokens == 512 or (steps > 10 and plan.new_tokens < 512)
+        assert all(n <= 128 for _, n in plan.prefill)
+        for i, n in plan.prefill:
+            burst[i].prefill_remaining -= n
+        steps += 1
+    assert [r.prefill_remaining for r in burst] == [1] * 8  # then all 8 last tokens in one step
+    assert plan_batch(burst, 512, 128).prefill == tuple((i, 1) for i in range(8))
+
+
+def test_an_early_prompt_keeps_advancing_beside_a_newcomer() -> None:
+    # Half an equal share each at least; the rest levels the newcomer down.
+    plan = plan_batch([R(False, 300, True, 1000), R(False, 4000, True)], batch_tokens=512, prefill_chunk=128)
+    assert plan.prefill == ((0, 128), (1, 128))
+    plan = plan_batch([R(True, 0), R(False, 300, True, 1000), R(False, 4000, True)], 512, 128, paced_budget=40)
+    assert plan.prefill == ((1, 10), (2, 30))
+
+
+def test_follow_ups_arriving_together_start_one_per_step_until_someone_decodes() -> None:
+    wave = [R(False, 22, True) for _ in range(4)]
+    assert plan_batch(wave, 512, 128).prefill == ((0, 21),)
+    wave[0] = R(False, 1, True, 22)  # its last token waits for its own step
+    assert plan_batch(wave, 512, 128).prefill == ((0, 1), (1, 21))
+    wave[0] = R(True, 0)  # it decodes: the others' prompts join the paced steps
+    assert plan_batch(wave, 512, 128, paced_budget=60).prefill == ((1, 21), (2, 21), (3, 18))
+
+
+def test_shortest_first_lets_the_nearest_to_done_prompts_take_whole_chunks() -> None:
+    plan = plan_batch([R(False, 300)] * 5, batch_tokens=512, prefill_chunk=128, fair=False)
     assert plan.prefill == ((0, 128), (1, 128), (2, 128), (3, 128))
+    plan = plan_batch([R(True, 0), R(False, 1000), R(False, 900)], 512, 128, paced_budget=40, fair=False)
+    assert plan.prefill == ((2, 40),)
 
 
 def test_the_last_prompt_token_of_a_reply_is_decoded_alone() -> None:
@@ -58,7 +99,9 @@ def test_the_last_prompt_token_of_a_reply_is_decoded_alone() -> None:
 
 def test_beside_decoders_the_paced_budget_replaces_the_chunk() -> None:
     plan = plan_batch([R(True, 0), R(False, 1000), R(False, 900)], 512, 128, paced_budget=40)
-    assert plan.prefill == ((2, 40),)  # the shortest prompt takes the paced budget
+    assert plan.prefill == ((2, 10), (1, 30))  # the long prompts share the paced budget, levelling
+    plan = plan_batch([R(True, 0), R(False, 1000), R(False, 30, True)], 512, 128, paced_budget=40)
+    assert plan.prefill == ((2, 29), (1, 11))  # a follow-up message goes first, in full
     plan = plan_batch([R(True, 0), R(False, 1000)], 512, 128, paced_budget=400)  # a fast device
     assert plan.prefill == ((1, 400),)
     plan = plan_batch([R(False, 1000), R(False, 900)], 512, 128, paced_budget=40)  # nobody decoding

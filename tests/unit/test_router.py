@@ -284,3 +284,20 @@ def test_a_peer_address_reaches_each_other_replica_whatever_its_rank(router: Ses
         assert [at(i, "r3", pool[::-1]) for i in range(2)] == [[["r0"]], [["r2"]]]
         assert at(2, "r0", pool) == [["r2"]]  # past the peers known: wraps around
         assert at(0, "r0", [pool[1]]) == [[]]  # no peer known yet: Ray waits and retries
+
+
+def test_a_request_that_cannot_be_routed_yet_backs_off_and_a_cancelled_one_stops(
+    router: SessionAffinityRouter, loop: asyncio.AbstractEventLoop
+) -> None:
+    # Ray's retry loop re-asks the router without sleeping unless the router says to back off:
+    # a peer lookup with no peer, or a control RPC whose owner is full, spun a core until routed.
+    pool = [FakeReplica("r0", 0)]
+    lookup = pending(session_pb2.ImportSessionRequest(session_key=peer_address(0, "r0")), method="GiveSession")
+    assert choose(router, pool, lookup) == [[]]
+    assert lookup.routing_context.should_backoff
+    control = pending(session_pb2.GetSessionRequest(session_id=IDS.new("a", "backoff-key")))
+    choose(router, replicas(3), control)
+    assert control.routing_context.should_backoff
+    # Its caller gave up: a tier lets Ray's loop see the cancelled future and drop the request.
+    lookup.future.cancel()
+    assert choose(router, pool, lookup) == [["r0"]]
