@@ -130,7 +130,7 @@ def plan_batch(
     rest so that prompts that arrived together finish together.
     """
     decode = tuple(i for i, r in enumerate(active) if r.decoding)
-    budget = batch_tokens - len(decode)
+    budget = room = batch_tokens - len(decode)
     if decode:
         budget = min(budget, prefill_chunk if paced_budget is None else paced_budget)
     waiting = sorted(
@@ -151,14 +151,15 @@ def plan_batch(
                 continue  # one per step: their sessions then decode out of phase (see above)
             started = started or fresh
             if n == 1 or (n > 1 and not whole):
-                take, whole = n, whole or n > 1  # a last token, and one follow-up, past the budget
+                take, whole = min(n, room), whole or n > 1  # a last token, and one follow-up, past the budget
             else:
                 take = min(n, budget)
             if take > 0:
                 prefill.append((i, take))
                 budget -= take
+                room -= take
         long = [i for i in waiting if i not in short]
-        prefill += _share_long_prompts([(i, needs[i]) for i in long], budget, cap)
+        prefill += _share_long_prompts([(i, needs[i]) for i in long], min(budget, room), cap)
         return BatchPlan(decode, tuple(prefill))
     for i in waiting:
         if budget <= 0:
@@ -182,11 +183,11 @@ def _share_long_prompts(needs: list[tuple[int, int]], budget: int, cap: int) -> 
     newcomer); the rest goes to whoever has the most left, levelling them. Prompts that arrived
     together, of different lengths, so finish in the same step: had the shortest finished
     first, its session would decode alone while the others' prompts were paced beside it, a
-    few tokens a step (bench/peer.py: a burst of new chats then took ~30% longer).
+    few tokens a step (bench/results/peer_policy.md: a burst of new chats then took ~17% longer).
     """
     if not needs or budget <= 0:
         return []
-    floor = max(1, budget // (2 * len(needs)))
+    floor = budget // (2 * len(needs))  # 0 when the budget is smaller: then the longest go first
     take = {i: min(n, floor, cap) for i, n in needs}
     left = budget - sum(take.values())
     room = {i: min(n, cap) - take[i] for i, n in needs}

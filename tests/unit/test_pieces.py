@@ -259,3 +259,34 @@ def test_deployment_options_from_config() -> None:
     doc = serve_config(cfg)
     assert [app["name"] for app in doc["applications"]] == ["a", "b"]
     assert config_from_dict(doc["applications"][0]["args"]["config"]) == cfg
+
+
+def test_a_whole_follow_up_still_fits_the_batch() -> None:
+    # Past the paced budget, never past llama.cpp's batch: 250 decoders leave 6 slots.
+    active = [R(True, 0)] * 250 + [R(False, 60, True), R(False, 1, True)]
+    plan = plan_batch(active, batch_tokens=256, prefill_chunk=128, paced_budget=16)
+    assert plan.new_tokens <= 256
+    assert plan.prefill == ((251, 1), (250, 5))
+
+
+@pytest.mark.parametrize("fair", [True, False])
+def test_random_plans_fit_the_batch_and_never_overshoot_a_prompt(fair: bool) -> None:
+    import random
+
+    rng = random.Random(7)
+    for _ in range(2000):
+        batch = rng.choice([16, 64, 512])
+        active = [
+            R(True, 0) if rng.random() < 0.4 else R(False, rng.randint(1, 900), rng.random() < 0.8, rng.randint(0, 900))
+            for _ in range(rng.randint(1, min(batch, 40)))
+        ]
+        paced = rng.choice([None, 16, 40, 300])
+        plan = plan_batch(active, batch, prefill_chunk=min(128, batch), paced_budget=paced, fair=fair)
+        assert plan.new_tokens <= batch
+        seen = [i for i, _ in plan.prefill]
+        assert len(seen) == len(set(seen))
+        for i, n in plan.prefill:
+            r = active[i]
+            assert not r.decoding and 0 < n <= r.prefill_remaining
+            if r.needs_logits and r.prefill_remaining > 1:
+                assert n < r.prefill_remaining  # the last token always goes alone

@@ -1,0 +1,176 @@
+"""The chat workload of ``peer.py`` replayed on the engine in-process, one row per prefill policy.
+
+Why: ``peer.py`` measures the whole service; this isolates the engine's scheduling. The same
+8 sessions x 4 turns (``workload.py``) run as threads against one ``Engine`` (no Ray, no
+gRPC), once per ``EngineOptions.prefill_policy``, alternating, so each policy has its
+same-run baseline. Every ``llama_decode`` step is logged: where the time went by how many
+sessions decoded in the step (a step with 8 decoding rows is the machine's best decode rate;
+with 1-3 most of its cost is paid for little), and the roofline the run's totals allow.
+
+    .venv/bin/python bench/replay.py                  # fair and shortest_first, 2 rounds
+    .venv/bin/python bench/replay.py --rounds 1 --policies fair
+
+Writes ``bench/results/replay.md`` and ``replay.json`` (with every step of every run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from engine import primitive_isolated, primitive_prefill_isolated
+from harness import RESULTS, machine_facts
+from workload import SessionScript, WorkloadSpec, build_workload
+
+from hotloop_serve.engine.chat_template import ChatMessage
+from hotloop_serve.engine.config import EngineOptions
+from hotloop_serve.engine.engine import Engine
+from hotloop_serve.engine.scheduler import BatchPlan
+from hotloop_serve.engine.settings import SamplingSettings
+from hotloop_serve.serve.model_source import embedded_model_path
+
+
+def replay(model: Path, policy: str, spec: WorkloadSpec, threads: int) -> dict[str, Any]:
+    """One run of the workload on a fresh engine; per-turn TTFTs and the step log."""
+    workload = build_workload(spec)
+    opts = EngineOptions(
+        context_tokens=32768, session_context_tokens=8192, hot_sessions=8, threads=threads, prefill_policy=policy
+    )  # as peer.py's hotloop system
+    engine = Engine(str(model), opts)
+    steps: list[tuple[float, int, int, float]] = []
+    t0 = time.perf_counter()
+    run_step = engine._step
+
+    def logged(plan: BatchPlan) -> None:  # the scheduler thread's steps, timed
+        start = time.perf_counter()
+        run_step(plan)
+        steps.append((start - t0, len(plan.decode), sum(n for _, n in plan.prefill), time.perf_counter() - start))
+
+    engine._step = logged  # type: ignore[method-assign]
+    turns: list[dict[str, Any]] = []
+    lock = threading.Lock()
+
+    def session(script: SessionScript) -> None:
+        sid = f"s{script.index}"
+        settings = SamplingSettings(
+            temperature=spec.temperature,
+            sample_len=spec.sample_len,
+            seed=script.seed,
+            top_k=spec.top_k,
+            top_p=spec.top_p,
+            min_p=spec.min_p,
+            repeat_penalty=spec.repeat_penalty,
+        )
+        engine.create_session(sid, "bench", settings)
+        replies: list[str] = []
+        for turn in range(1, spec.turns + 1):
+            history = [ChatMessage(role, text) for role, text in script.history(turn, replies)]
+            start = time.perf_counter()
+            first, text = 0.0, ""
+            for chunk in engine.generate(sid, "bench", history):
+                if chunk.text and not first:
+                    first = time.perf_counter()
+                text += chunk.text
+            with lock:
+                turns.append({"session": script.index, "turn": turn, "start_s": start - t0, "ttft_s": first - start})
+            replies.append(text)
+
+    try:
+        warm = SamplingSettings(temperature=0, sample_len=4)
+        engine.create_session("warm", "bench", warm)
+        engine.generate("warm", "bench", [ChatMessage("user", "Hello")]).result()
+        engine.close_session("warm", "bench")
+        steps.clear()
+        t0 = time.perf_counter()
+        workers = [threading.Thread(target=session, args=(s,)) for s in workload.sessions]
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join()
+        wall = time.perf_counter() - t0
+    finally:
+        engine.close()
+    follow = [t["ttft_s"] for t in turns if t["turn"] > 1]
+    first = [t["ttft_s"] for t in turns if t["turn"] == 1]
+    by_width: dict[int, float] = {}
+    for _, width, _, seconds in steps:
+        by_width[width] = by_width.get(width, 0.0) + seconds
+    return {
+        "policy": policy,
+        "wall_s": wall,
+        "followup_ttft_median_s": statistics.median(follow),
+        "followup_ttft_p90_s": statistics.quantiles(follow, n=10)[-1],
+        "first_ttft_median_s": statistics.median(first),
+        "first_ttft_max_s": max(first),
+        "prefill_tokens": sum(s[2] for s in steps),
+        "decode_rows": sum(s[1] for s in steps),
+        "seconds_by_decode_width": dict(sorted(by_width.items())),
+        "steps": steps,
+        "turns": turns,
+    }
+
+
+def markdown(runs: list[dict[str, Any]], prefill_rate: float, decode_rate: float, machine: dict[str, Any]) -> str:
+    lines = [
+        f"Machine: {machine}.",
+        f"Primitives (this run): prefill {prefill_rate:.0f} tok/s, decode {decode_rate:.1f} tok/s at 8 sequences.",
+        "",
+        "| run | policy | wall (s) | roofline (s) | of roofline | follow-up TTFT median / p90 (s) "
+        "| first-turn TTFT median / max (s) | step seconds by decoding rows (0 / 1-3 / 4-7 / 8) |",
+        "|---|---|---:|---:|---:|---|---|---|",
+    ]
+    for k, r in enumerate(runs, 1):
+        roof = r["prefill_tokens"] / prefill_rate + r["decode_rows"] / decode_rate
+        w = r["seconds_by_decode_width"]
+        bands = [
+            sum(v for d, v in w.items() if d == 0),
+            sum(v for d, v in w.items() if 1 <= d <= 3),
+            sum(v for d, v in w.items() if 4 <= d <= 7),
+            sum(v for d, v in w.items() if d >= 8),
+        ]
+        lines.append(
+            f"| {k} | {r['policy']} | {r['wall_s']:.1f} | {roof:.1f} | {100 * roof / r['wall_s']:.0f}% "
+            f"| {r['followup_ttft_median_s']:.2f} / {r['followup_ttft_p90_s']:.2f} "
+            f"| {r['first_ttft_median_s']:.1f} / {r['first_ttft_max_s']:.1f} "
+            f"| {' / '.join(f'{b:.1f}' for b in bands)} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--policies", default="fair,shortest_first", help="prefill policies to run, alternating")
+    p.add_argument("--rounds", type=int, default=2, help="runs of each policy (default 2)")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--out", type=Path, default=RESULTS)
+    args = p.parse_args(argv)
+    model = embedded_model_path(progress=False)
+    spec = WorkloadSpec()
+    runs = []
+    for _ in range(args.rounds):
+        for policy in args.policies.split(","):
+            runs.append(replay(model, policy.strip(), spec, args.threads))
+            r = runs[-1]
+            print(
+                f"{r['policy']}: wall {r['wall_s']:.1f} s, follow-up TTFT median {r['followup_ttft_median_s']:.2f} s",
+                flush=True,
+            )
+    prefill_rate = primitive_prefill_isolated(args.threads)
+    decode_rate = primitive_isolated(spec.sample_len, args.threads, 8)
+    report = markdown(runs, prefill_rate, decode_rate, machine_facts())
+    print("\n" + report)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "replay.md").write_text(report)
+    (args.out / "replay.json").write_text(json.dumps({"runs": runs, "prefill_tok_s": prefill_rate}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
