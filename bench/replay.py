@@ -1,16 +1,17 @@
-"""The chat workload of ``peer.py`` replayed on the engine in-process, one row per prefill policy.
+"""The chat workload of ``peer.py`` replayed on the engine in-process, one row per scheduling variant.
 
 Why: ``peer.py`` measures the whole service; this isolates the engine's scheduling. The same
 8 sessions x 4 turns (``workload.py``) run as threads against one ``Engine`` (no Ray, no
-gRPC), once per ``EngineOptions.prefill_policy``, alternating, so each policy has its
-same-run baseline. Every ``llama_decode`` step is logged: where the time went by how many
+gRPC), once per ``EngineOptions.prefill_policy`` and ``followup_wait_ms`` given, alternating, so
+each variant has its same-run baseline. Every ``llama_decode`` step is logged: where the time went by how many
 sessions decoded in the step (a step with 8 decoding rows is the machine's best decode rate;
 with 1-3 most of its cost is paid for little), and the roofline the run's totals allow.
 
     .venv/bin/python bench/replay.py                  # fair and shortest_first, 2 rounds
     .venv/bin/python bench/replay.py --rounds 1 --policies fair
+    .venv/bin/python bench/replay.py --policies fair --followup-waits 50,0 --name replay_followup
 
-Writes ``bench/results/replay.md`` and ``replay.json`` (with every step of every run).
+Writes ``bench/results/<name>.md`` and ``<name>.json`` (with every step of every run).
 """
 
 from __future__ import annotations
@@ -37,11 +38,16 @@ from hotloop_serve.engine.settings import SamplingSettings
 from hotloop_serve.serve.model_source import embedded_model_path
 
 
-def replay(model: Path, policy: str, spec: WorkloadSpec, threads: int) -> dict[str, Any]:
+def replay(model: Path, policy: str, followup_wait_ms: float, spec: WorkloadSpec, threads: int) -> dict[str, Any]:
     """One run of the workload on a fresh engine; per-turn TTFTs and the step log."""
     workload = build_workload(spec)
     opts = EngineOptions(
-        context_tokens=32768, session_context_tokens=8192, hot_sessions=8, threads=threads, prefill_policy=policy
+        context_tokens=32768,
+        session_context_tokens=8192,
+        hot_sessions=8,
+        threads=threads,
+        prefill_policy=policy,
+        followup_wait_ms=followup_wait_ms,
     )  # as peer.py's hotloop system
     engine = Engine(str(model), opts)
     steps: list[tuple[float, int, int, float]] = []
@@ -104,6 +110,7 @@ def replay(model: Path, policy: str, spec: WorkloadSpec, threads: int) -> dict[s
         by_width[width] = by_width.get(width, 0.0) + seconds
     return {
         "policy": policy,
+        "followup_wait_ms": followup_wait_ms,
         "wall_s": wall,
         "followup_ttft_median_s": statistics.median(follow),
         "followup_ttft_p90_s": statistics.quantiles(follow, n=10)[-1],
@@ -122,9 +129,9 @@ def markdown(runs: list[dict[str, Any]], prefill_rate: float, decode_rate: float
         f"Machine: {machine}.",
         f"Primitives (this run): prefill {prefill_rate:.0f} tok/s, decode {decode_rate:.1f} tok/s at 8 sequences.",
         "",
-        "| run | policy | wall (s) | roofline (s) | of roofline | follow-up TTFT median / p90 (s) "
+        "| run | policy | follow-up wait | wall (s) | roofline (s) | of roofline | follow-up TTFT median / p90 (s) "
         "| first-turn TTFT median / max (s) | step seconds by decoding rows (0 / 1-3 / 4-7 / 8) |",
-        "|---|---|---:|---:|---:|---|---|---|",
+        "|---|---|---:|---:|---:|---:|---|---|---|",
     ]
     for k, r in enumerate(runs, 1):
         roof = r["prefill_tokens"] / prefill_rate + r["decode_rows"] / decode_rate
@@ -136,7 +143,8 @@ def markdown(runs: list[dict[str, Any]], prefill_rate: float, decode_rate: float
             sum(v for d, v in w.items() if d >= 8),
         ]
         lines.append(
-            f"| {k} | {r['policy']} | {r['wall_s']:.1f} | {roof:.1f} | {100 * roof / r['wall_s']:.0f}% "
+            f"| {k} | {r['policy']} | {r['followup_wait_ms']:g} ms "
+            f"| {r['wall_s']:.1f} | {roof:.1f} | {100 * roof / r['wall_s']:.0f}% "
             f"| {r['followup_ttft_median_s']:.2f} / {r['followup_ttft_p90_s']:.2f} "
             f"| {r['first_ttft_median_s']:.1f} / {r['first_ttft_max_s']:.1f} "
             f"| {' / '.join(f'{b:.1f}' for b in bands)} |"
@@ -147,7 +155,9 @@ def markdown(runs: list[dict[str, Any]], prefill_rate: float, decode_rate: float
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--policies", default="fair,shortest_first", help="prefill policies to run, alternating")
-    p.add_argument("--rounds", type=int, default=2, help="runs of each policy (default 2)")
+    p.add_argument("--followup-waits", default="50", help="followup_wait_ms values to run, alternating")
+    p.add_argument("--rounds", type=int, default=2, help="runs of each variant (default 2)")
+    p.add_argument("--name", default="replay", help="results file name (default replay)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out", type=Path, default=RESULTS)
     args = p.parse_args(argv)
@@ -156,19 +166,21 @@ def main(argv: list[str] | None = None) -> int:
     runs = []
     for _ in range(args.rounds):
         for policy in args.policies.split(","):
-            runs.append(replay(model, policy.strip(), spec, args.threads))
-            r = runs[-1]
-            print(
-                f"{r['policy']}: wall {r['wall_s']:.1f} s, follow-up TTFT median {r['followup_ttft_median_s']:.2f} s",
-                flush=True,
-            )
+            for wait in args.followup_waits.split(","):
+                runs.append(replay(model, policy.strip(), float(wait), spec, args.threads))
+                r = runs[-1]
+                print(
+                    f"{r['policy']}, wait {r['followup_wait_ms']:g} ms: wall {r['wall_s']:.1f} s, "
+                    f"follow-up TTFT median {r['followup_ttft_median_s']:.2f} s",
+                    flush=True,
+                )
     prefill_rate = primitive_prefill_isolated(args.threads)
     decode_rate = primitive_isolated(spec.sample_len, args.threads, 8)
     report = markdown(runs, prefill_rate, decode_rate, machine_facts())
     print("\n" + report)
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "replay.md").write_text(report)
-    (args.out / "replay.json").write_text(json.dumps({"runs": runs, "prefill_tok_s": prefill_rate}, indent=1))
+    (args.out / f"{args.name}.md").write_text(report)
+    (args.out / f"{args.name}.json").write_text(json.dumps({"runs": runs, "prefill_tok_s": prefill_rate}, indent=1))
     return 0
 
 

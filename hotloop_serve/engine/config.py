@@ -41,6 +41,13 @@ class EngineOptions:
     this long (sized from measured step times), so a decoding session's time between tokens
     stays near it while newcomers prefill; a newcomer's prompt then takes more, shorter steps
     (bench/engine.py row 0e measures both sides). 0 = ``prefill_chunk`` tokens per step."""
+    followup_wait_ms: float = 50.0
+    """When a session's reply ends while the replica is busy, the next step waits up to this
+    long (and at most a quarter of a measured decoding step) for that session's next turn, if
+    its client came back within that time after its previous reply (agent loops, tool calls,
+    scripted chats): the new turn then starts in that step instead of a whole step later (on
+    two CPU cores a step is 0.2-0.5 s). A session whose client took longer is not waited for
+    until it comes back that fast again, so human-paced chats cost nothing. 0 = never wait."""
     prefill_policy: str = "fair"
     """How prompts share a step's prefill budget. ``fair``: long prompts get equal shares, so
     sessions whose first turns arrive together finish prefilling together and then decode in
@@ -55,10 +62,13 @@ class EngineOptions:
     gpu_layers: int = 0
     """Layers offloaded to the GPU; -1 = all of them."""
     batch_invariant: bool = True
-    """Make a session's tokens independent of who shares its batch (and of where its cells sit):
-    weights are not repacked (repacked kernels round differently for 1 and N rows) and flash
-    attention skips masked cells. A fixed seed then reproduces a reply under any load, and an
-    evicted-and-restored session continues exactly; measured cost: about 3% single stream."""
+    """Keep a session's tokens as independent of who shares its batch as llama.cpp's CPU kernels
+    allow: weights are not repacked (repacked kernels round differently for 1 and N rows), flash
+    attention skips masked cells, and a lone request's last prompt token gets a step of its own.
+    Measured (bench/README.md, "Reproducibility"): greedy replies are identical alone and under
+    load, a fixed seed reproduces a sampled reply on an equally loaded engine, and an evicted and
+    restored session continues exactly; a sampled reply under different load can still diverge
+    (matrix kernels tile by batch size, moving logits by up to ~1.3). Cost: ~3% single stream."""
     kv_layout: str = "unified"
     """``unified``: one pool of ``context_tokens`` cells shared by all hot sessions (any session may
     grow to ``session_context_tokens``). ``per_session``: each hot session gets its own stream of
@@ -95,6 +105,7 @@ class EngineOptions:
             "batch_tokens": 8 <= self.batch_tokens <= 8192 and self.batch_tokens >= self.hot_sessions,
             "prefill_chunk": 1 <= self.prefill_chunk <= self.batch_tokens,
             "step_target_ms": 0 <= self.step_target_ms <= 60_000,
+            "followup_wait_ms": 0 <= self.followup_wait_ms <= 10_000,
             "prefill_policy": self.prefill_policy in ("fair", "shortest_first"),
             "shared_prefix_min_tokens": self.shared_prefix_min_tokens >= 1,
             "threads": self.threads >= 0,

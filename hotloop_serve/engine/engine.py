@@ -59,6 +59,9 @@ T = TypeVar("T")
 __all__ = ["Engine", "EngineStats", "SessionInfo", "common_prefix"]
 
 _GGML_TYPES = {"f16": 1, "q4_0": 2, "q8_0": 8}  # ggml_type values
+FOLLOWUP_WAIT_STEP_SHARE = 0.25
+"""At most this share of a measured decoding step is spent waiting for a quick client's next
+turn: it saves that client a whole step and delays the others' next token by a quarter."""
 
 
 @dataclass(frozen=True)
@@ -177,6 +180,9 @@ class Engine:
         self._stopping = False
         self._failure: BaseException | None = None
         self._last_housekeeping = time.monotonic()
+        self._expected: dict[Session, float] = {}
+        """Sessions whose reply just ended and whose client comes back quickly: until when the
+        next step waits for their next turn (see ``EngineOptions.followup_wait_ms``)."""
         self._stats = EngineStats(free_sequences=opts.hot_sessions)
         self._usage = {"turns": 0, "prompt_tokens": 0, "cached_tokens": 0, "restored_tokens": 0}
         self._thread = threading.Thread(target=self._run, name="hotloop-scheduler", daemon=True)
@@ -486,6 +492,9 @@ class Engine:
         with self._lock:
             self._check_alive()
             session, _ = self._sessions.get_or_create(session_id, owner, settings)
+            if session.finished_at:
+                session.return_s = time.perf_counter() - session.finished_at
+                session.finished_at = 0.0
             queued = len(self._inbox) + len(self.scheduler.waiting)
             if queued >= self.options.max_queue:
                 raise ResourceExhausted(
@@ -599,6 +608,8 @@ class Engine:
             # Every llama_decode runs on this thread, the calibration's too (see LlamaKVMemory.calibrate).
             self._memory.calibrate()
             while True:
+                if self._expected:
+                    self._await_followups()
                 with self._lock:
                     while not (self._stopping or self._has_work()):
                         self._wakeup.wait(timeout=1.0)
@@ -645,6 +656,33 @@ class Engine:
             for _, fut in commands:
                 fut.set_exception(error)
             self._publish()
+
+    def _await_followups(self) -> None:
+        """Hold the next step briefly for the next turns of quick clients whose replies just ended.
+
+        Their next request typically lands a few milliseconds after the reply's final chunk,
+        just after the next step started: it would wait that whole step, then take another.
+        Waiting only when other requests share the engine (alone, a step is short anyway), only
+        for clients that came back this fast last time, and at most a fraction of a step keeps
+        the cost to the others small (bench/replay.py measures both sides).
+        """
+        expected = self._expected
+        if all(r.session in expected for r in self.scheduler.running):
+            expected.clear()
+            return
+        with self._lock:
+            while expected and not (self._stopping or self._commands):
+                now = time.perf_counter()
+                for s in [s for s, until in expected.items() if s.pending or s.closed or until <= now]:
+                    del expected[s]
+                if expected:
+                    self._wakeup.wait(timeout=min(expected.values()) - now)
+            expected.clear()
+
+    def _followup_wait_s(self) -> float:
+        cap = self.options.followup_wait_ms / 1e3
+        step = self.scheduler.pacer.decode_s
+        return cap if step is None else min(cap, FOLLOWUP_WAIT_STEP_SHARE * step)
 
     def _publish(self) -> None:
         """Publish an immutable snapshot of the scheduler's state (readers never lock)."""
@@ -867,6 +905,12 @@ class Engine:
 
     def _finish(self, req: Request, reason: str, cache_token: int | None = None) -> None:
         """Send the final chunk now; keep the request one more step to cache its last token if it fits."""
+        s = req.session
+        if not req.cancel_requested:  # before the chunk: the client's next request may follow at once
+            s.finished_at = time.perf_counter()
+            wait = self._followup_wait_s()
+            if wait > 0 and (s.return_s is None or s.return_s <= wait):
+                self._expected[s] = s.finished_at + wait
         self._send_final(req, reason)
         fits = len(req.session.tokens) + 1 < self.session_context
         if cache_token is not None and fits and not req.cancel_requested:

@@ -116,8 +116,13 @@ def plan_batch(
 ) -> BatchPlan:
     """One step's batch for ``active`` within ``batch_tokens`` tokens.
 
-    ``lone_last_token``: the last prompt token of a reply goes alone, like a decode step, so
-    the logits of its first token never depend on how the prompt was split (batch invariance).
+    ``lone_last_token``: while a request has the engine to itself, the last prompt token of its
+    reply gets a step of its own, like a decode step, so the logits of its first token do not
+    depend on how the prompt was split (a fixed seed then reproduces a reply on an idle replica,
+    whether its session was hot, restored or rebuilt; that step is cheap when alone). Beside
+    other requests the last token rides with its prompt: there the batch's make-up already
+    changes the numbers (llama.cpp's CPU kernels round by batch size; bench/README.md,
+    "Reproducibility"), so a separate step would cost the user a whole shared step for nothing.
     ``paced_budget``: prefill tokens allowed beside decoders (:class:`PrefillPacer`); by
     default ``prefill_chunk``.
     ``fair=False``: shortest remaining prompt first, each up to ``prefill_chunk`` per step.
@@ -139,7 +144,8 @@ def plan_batch(
     )
     contended = len(active) > 1
     cap = prefill_chunk if contended and not decode else budget  # a long prompt never fills a step others wait on
-    needs = {i: _need(active[i], lone_last_token) for i in waiting}
+    lone = lone_last_token and len(active) == 1
+    needs = {i: _need(active[i], lone) for i in waiting}
     prefill: list[tuple[int, int]] = []
     if fair:
         short = [i for i in waiting if active[i].prefill_total <= prefill_chunk // 2]
@@ -284,6 +290,13 @@ class Scheduler:
             if s.closed:
                 self._end(req, RequestState.FAILED, NotFound(f"session {s.id} was closed"))
                 continue
+            held = s.request
+            if held is not None and held is not req and held.state is RequestState.CACHING_TAIL:
+                # The session's next turn is here before its last reply's final token was cached:
+                # that token is in the new prompt anyway, so it is prefilled with it (one token
+                # more) rather than making the new turn wait a whole step behind it.
+                self._end(held, RequestState.FINISHED, None)
+                self.running.remove(held)
             if (s.request is not None and s.request is not req) or len(self.running) >= self.max_running:
                 still.append(req)
                 continue

@@ -38,12 +38,14 @@ class Session:
 
     __slots__ = (
         "disk",
+        "finished_at",
         "id",
         "last_used",
         "owner",
         "pending",
         "phase",
         "request",
+        "return_s",
         "saved",
         "seq",
         "settings",
@@ -71,6 +73,11 @@ class Session:
         self.pending = 0
         """Requests submitted but not yet admitted: the TTL never forgets a session one of them needs."""
         self.last_used = time.monotonic()
+        self.finished_at = 0.0
+        """When its last reply ended (``perf_counter``; 0 once its next request came)."""
+        self.return_s: float | None = None
+        """How long its client took to send the next request after the previous reply ended
+        (None: not seen yet): the engine holds a step for the next turn only of quick clients."""
 
     @property
     def closed(self) -> bool:

@@ -9,9 +9,11 @@ from pathlib import Path
 
 import pytest
 
+from hotloop_serve.engine import engine as engine_module
 from hotloop_serve.engine.chat_template import ChatMessage as M
 from hotloop_serve.engine.config import EngineOptions
 from hotloop_serve.engine.engine import Engine
+from hotloop_serve.engine.scheduler import BatchPlan
 from hotloop_serve.engine.settings import SamplingSettings
 from hotloop_serve.errors import Cancelled, InvalidArgument, NotFound, OutOfRange, ResourceExhausted
 
@@ -387,3 +389,58 @@ def test_per_session_layout_serves_shared_prefixes_without_copying(tiny_model: P
         second = e.generate("second", "alice", [system, M("user", "two")], GREEDY).result()
     assert second.usage is not None and second.usage.cached_tokens == 0
     assert second.text == first.text
+
+
+def _log_steps(e: Engine, step_s: float) -> list[tuple[set[str], set[str]]]:
+    """Make each step last ``step_s`` (a slow device) and record its (decoding, prefilling) sessions."""
+    log: list[tuple[set[str], set[str]]] = []
+    run = e._step
+
+    def logged(plan: BatchPlan) -> None:
+        running = list(e.scheduler.running)
+        log.append(({running[i].session.id for i in plan.decode}, {running[i].session.id for i, _ in plan.prefill}))
+        time.sleep(step_s)
+        run(plan)
+
+    e._step = logged  # type: ignore[method-assign]
+    return log
+
+
+@pytest.mark.parametrize("wait_ms", [50, 0])
+def test_a_quick_clients_next_turn_joins_the_step_after_its_reply(
+    tiny_model: Path, monkeypatch: pytest.MonkeyPatch, wait_ms: int
+) -> None:
+    monkeypatch.setattr(engine_module, "FOLLOWUP_WAIT_STEP_SHARE", 1e6)  # the cap is followup_wait_ms
+    opts = EngineOptions(context_tokens=4096, session_context_tokens=1024, hot_sessions=4, followup_wait_ms=wait_ms)
+    with Engine(str(tiny_model), opts) as e:
+        log = _log_steps(e, step_s=0.03)
+        busy = e.generate("busy", "p", history(1), SamplingSettings(temperature=0, sample_len=800))
+        short = SamplingSettings(temperature=0, sample_len=3, repeat_penalty=1.0)
+        reply = e.generate("quick", "p", history(), short).result()
+        turn2 = [*history(), M("assistant", reply.text), M("user", "and then?")]
+        e.generate("quick", "p", turn2, short).result()
+        busy.cancel()
+    prefills = [k for k, (_, prefilling) in enumerate(log) if "quick" in prefilling]
+    first_turn_end, second_turn = prefills[0], prefills[-1]
+    decode_steps = sum("quick" in decoding for decoding, _ in log[first_turn_end:second_turn])
+    # Its first token came with its prompt's last step, the other 2 from decode steps. Waited
+    # for, its next turn's prompt is in the very next step (the old reply's last token is
+    # prefilled with it); not waited for, that token is cached in a step of its own first.
+    assert decode_steps == (2 if wait_ms else 3)
+    quick = e._sessions.get("quick")
+    assert quick is not None and quick.return_s is not None and quick.return_s < 0.05
+
+
+def test_a_slow_client_is_timed_and_its_turn_still_served(tiny_model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(engine_module, "FOLLOWUP_WAIT_STEP_SHARE", 1e6)
+    opts = EngineOptions(context_tokens=4096, session_context_tokens=1024, hot_sessions=4)
+    with Engine(str(tiny_model), opts) as e:
+        busy = e.generate("busy", "p", history(1), SamplingSettings(temperature=0, sample_len=800))
+        first = e.generate("slow", "p", history(), GREEDY).result()
+        time.sleep(0.12)  # longer than followup_wait_ms: the engine will not hold a step for it
+        turn2 = [*history(), M("assistant", first.text), M("user", "and then?")]
+        second = e.generate("slow", "p", turn2, GREEDY).result()
+        assert second.text and second.usage is not None and second.usage.cached_tokens > 0
+        slow = e._sessions.get("slow")
+        assert slow is not None and slow.return_s is not None and slow.return_s >= 0.12
+        busy.cancel()
