@@ -418,6 +418,7 @@ def test_a_quick_clients_next_turn_joins_the_step_after_its_reply(
         short = SamplingSettings(temperature=0, sample_len=3, repeat_penalty=1.0)
         reply = e.generate("quick", "p", history(), short).result()
         turn2 = [*history(), M("assistant", reply.text), M("user", "and then?")]
+        time.sleep(0.015)  # a quick client, but one that lands after the next step has started
         e.generate("quick", "p", turn2, short).result()
         busy.cancel()
     prefills = [k for k, (_, prefilling) in enumerate(log) if "quick" in prefilling]
