@@ -62,13 +62,15 @@ class EngineOptions:
     gpu_layers: int = 0
     """Layers offloaded to the GPU; -1 = all of them."""
     batch_invariant: bool = True
-    """Keep a session's tokens as independent of who shares its batch as llama.cpp's CPU kernels
+    """Keep a session's tokens as independent of who shares its step as llama.cpp's CPU kernels
     allow: weights are not repacked (repacked kernels round differently for 1 and N rows), flash
-    attention skips masked cells, and a lone request's last prompt token gets a step of its own.
-    Measured (bench/README.md, "Reproducibility"): greedy replies are identical alone and under
-    load, a fixed seed reproduces a sampled reply on an equally loaded engine, and an evicted and
-    restored session continues exactly; a sampled reply under different load can still diverge
-    (matrix kernels tile by batch size, moving logits by up to ~1.3). Cost: ~3% single stream."""
+    attention skips masked cells, and the rows that make logits (decoders, a reply's last prompt
+    token) run in a ``llama_decode`` of their own, apart from the step's prompt rows (a batch of
+    8 rows or more rounds differently from 1-7). Measured (bench/invariance.py; bench/README.md,
+    "Reproducibility"): with up to 7 such rows a step, a greedy reply is the same alone and
+    beside others' prompts, and an evicted and restored session continues exactly; from 8
+    decoders on, and with a prompt split into other chunks, logits move (by up to ~1) and a
+    near-tie can flip. Cost: ~3% single stream, a few ms per step that prefills beside decoders."""
     kv_layout: str = "unified"
     """``unified``: one pool of ``context_tokens`` cells shared by all hot sessions (any session may
     grow to ``session_context_tokens``). ``per_session``: each hot session gets its own stream of

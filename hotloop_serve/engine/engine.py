@@ -163,7 +163,6 @@ class Engine:
             max_running=opts.hot_sessions,
             batch_tokens=opts.batch_tokens,
             prefill_chunk=opts.prefill_chunk,
-            lone_last_token=opts.batch_invariant,
             end=self._end_request,
             step_target_ms=opts.step_target_ms,
             fair_prefill=opts.prefill_policy == "fair",
@@ -777,12 +776,49 @@ class Engine:
 
     # ------------------------------------------------------------------ one step: execute, update
     def _step(self, plan: BatchPlan) -> None:
-        """Fill the batch from the plan, run one llama_decode, apply the results."""
+        """Run the plan: one ``llama_decode``, or two with ``batch_invariant``.
+
+        With ``batch_invariant`` the rows that make logits (decoders, and the last prompt token of
+        each reply) run in a batch of their own, after the step's other prompt rows: llama.cpp's
+        CPU kernels round differently once a batch holds 8 rows or more (and again from 64,
+        flash attention's tiled path), so a decoder beside a prompt, or a reply's last prompt
+        token inside its prompt, would get other logits than alone and a greedy reply could
+        change with the load. The split costs a few ms per step that prefills beside decoders
+        (bench/README.md, "Reproducibility"); it keeps a follow-up's first token in the step
+        that prefills its prompt.
+        """
         running = list(self.scheduler.running)
+        decoded = [running[i] for i in plan.decode]
+        chunks = [(running[i], count) for i, count in plan.prefill]
+        elapsed = 0.0
+        if self.options.batch_invariant:
+            ending = {id(req) for req, count in chunks if self._completes(req, count)}
+            body = [(req, count - (id(req) in ending)) for req, count in chunks]
+            body = [(req, count) for req, count in body if count > 0]
+            if body and (decoded or ending):
+                took = self._run_batch([], body)
+                if took is None:
+                    return
+                elapsed = took
+                chunks = [(req, 1) for req, _ in chunks if id(req) in ending]
+        took = self._run_batch(decoded, chunks)
+        if took is None:
+            return
+        self._steps += 1
+        self.scheduler.pacer.observe(len(decoded), sum(count for _, count in plan.prefill), elapsed + took)
+        self.scheduler.drop_finished()
+
+    @staticmethod
+    def _completes(req: Request, count: int) -> bool:
+        """Whether prefilling ``count`` more tokens ends a prompt whose last token makes logits."""
+        return req.needs_logits and len(req.session.tokens) + count == len(req.prompt)
+
+    def _run_batch(self, decoded: list[Request], chunks: list[tuple[Request, int]]) -> float | None:
+        """One ``llama_decode`` of ``decoded``'s next tokens and ``chunks`` of prompts; apply the
+        results and sample. The seconds llama.cpp took, or None when it refused the batch."""
         batch = self._batch
         n = 0
         outputs: list[tuple[Request, int]] = []
-        decoded = [running[i] for i in plan.decode]
         for req in decoded:
             seq = req.session.seq
             assert seq is not None and req.last_token is not None
@@ -795,9 +831,7 @@ class Engine:
             if wants:
                 outputs.append((req, n))
             n += 1
-        prefilled: list[tuple[Request, int]] = []
-        for i, count in plan.prefill:
-            req = running[i]
+        for req, count in chunks:
             seq = req.session.seq
             assert seq is not None
             start = len(req.session.tokens)
@@ -808,25 +842,23 @@ class Engine:
                 batch.seq_id[n][0] = seq
                 batch.logits[n] = False
                 n += 1
-            prefilled.append((req, count))
-            if start + count == len(req.prompt) and req.needs_logits:
+            if self._completes(req, count):
                 batch.logits[n - 1] = True
                 outputs.append((req, n - 1))
         batch.n_tokens = n
         t0 = time.perf_counter()
         rc = ll.llama_decode(self._ctx, batch)
-        self._steps += 1
+        took = time.perf_counter() - t0
         if rc != 0:
             self._decode_failed(rc)
-            return
-        self.scheduler.pacer.observe(len(decoded), n - len(decoded), time.perf_counter() - t0)
+            return None
         # Update: the batch's tokens are now in the cache.
         for req in decoded:
             assert req.last_token is not None
             req.session.tokens.append(req.last_token)
             if req.state is RequestState.CACHING_TAIL:
                 self._end_request(req, RequestState.FINISHED, None)
-        for req, count in prefilled:
+        for req, count in chunks:
             start = len(req.session.tokens)
             req.session.tokens.extend(req.prompt[start : start + count])
             if req.prefill_remaining == 0:
@@ -838,7 +870,7 @@ class Engine:
         for req, index in outputs:
             if req.live:
                 self._sample(req, index)
-        self.scheduler.drop_finished()
+        return took
 
     def _decode_failed(self, rc: int) -> None:
         """llama_decode refused the batch: 1 = no room in the KV cache; anything else is fatal."""

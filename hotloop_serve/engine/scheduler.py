@@ -48,9 +48,6 @@ class Schedulable(Protocol):
     def prefill_remaining(self) -> int: ...
 
     @property
-    def needs_logits(self) -> bool: ...
-
-    @property
     def prefill_total(self) -> int: ...
 
 
@@ -110,19 +107,11 @@ def plan_batch(
     active: Sequence[Schedulable],
     batch_tokens: int,
     prefill_chunk: int,
-    lone_last_token: bool = True,
     paced_budget: int | None = None,
     fair: bool = True,
 ) -> BatchPlan:
     """One step's batch for ``active`` within ``batch_tokens`` tokens.
 
-    ``lone_last_token``: while a request has the engine to itself, the last prompt token of its
-    reply gets a step of its own, like a decode step, so the logits of its first token do not
-    depend on how the prompt was split (a fixed seed then reproduces a reply on an idle replica,
-    whether its session was hot, restored or rebuilt; that step is cheap when alone). Beside
-    other requests the last token rides with its prompt: there the batch's make-up already
-    changes the numbers (llama.cpp's CPU kernels round by batch size; bench/README.md,
-    "Reproducibility"), so a separate step would cost the user a whole shared step for nothing.
     ``paced_budget``: prefill tokens allowed beside decoders (:class:`PrefillPacer`); by
     default ``prefill_chunk``.
     ``fair=False``: shortest remaining prompt first, each up to ``prefill_chunk`` per step.
@@ -144,8 +133,7 @@ def plan_batch(
     )
     contended = len(active) > 1
     cap = prefill_chunk if contended and not decode else budget  # a long prompt never fills a step others wait on
-    lone = lone_last_token and len(active) == 1
-    needs = {i: _need(active[i], lone) for i in waiting}
+    needs = {i: active[i].prefill_remaining for i in waiting}
     prefill: list[tuple[int, int]] = []
     if fair:
         short = [i for i in waiting if active[i].prefill_total <= prefill_chunk // 2]
@@ -174,12 +162,6 @@ def plan_batch(
         prefill.append((i, take))
         budget -= take
     return BatchPlan(decode, tuple(prefill))
-
-
-def _need(r: Schedulable, lone_last_token: bool) -> int:
-    """Prompt tokens a request can prefill now (its last one waits for a step of its own)."""
-    n = r.prefill_remaining
-    return n - 1 if lone_last_token and n > 1 and r.needs_logits else n
 
 
 def _share_long_prompts(needs: list[tuple[int, int]], budget: int, cap: int) -> list[tuple[int, int]]:
@@ -230,7 +212,6 @@ class Scheduler:
         max_running: int,
         batch_tokens: int,
         prefill_chunk: int,
-        lone_last_token: bool,
         end: EndRequest,
         step_target_ms: float = 0.0,
         fair_prefill: bool = True,
@@ -240,7 +221,6 @@ class Scheduler:
         self.batch_tokens = batch_tokens
         self.prefill_chunk = prefill_chunk
         self.pacer = PrefillPacer(step_target_ms, prefill_chunk, batch_tokens)
-        self.lone_last_token = lone_last_token
         self.fair_prefill = fair_prefill
         self._end = end
         self.waiting: deque[Request] = deque()
@@ -263,9 +243,7 @@ class Scheduler:
 
     def _plan(self) -> BatchPlan:
         paced = self.pacer.budget()
-        return plan_batch(
-            self.running, self.batch_tokens, self.prefill_chunk, self.lone_last_token, paced, self.fair_prefill
-        )
+        return plan_batch(self.running, self.batch_tokens, self.prefill_chunk, paced, self.fair_prefill)
 
     def _make_room(self, tokens: int) -> bool:
         return self.kv.make_room(tokens, [r.session for r in self.running])

@@ -94,6 +94,40 @@ def test_batched_sessions_match_each_alone(tiny_model: Path) -> None:
     assert got == expected
 
 
+@pytest.mark.parametrize("invariant", [True, False])
+def test_rows_that_make_logits_run_apart_from_prompt_rows_when_batch_invariant(
+    tiny_model: Path, invariant: bool
+) -> None:
+    """Each llama_decode's (step, decoder rows, prompt rows, logits wanted) while a prompt joins a decoder."""
+    opts = EngineOptions(context_tokens=4096, session_context_tokens=1024, hot_sessions=4, batch_invariant=invariant)
+    calls: list[tuple[int, int, int, int]] = []
+    with Engine(str(tiny_model), opts) as e:
+        run = e._run_batch
+
+        def logged(decoded: list, chunks: list) -> float | None:  # type: ignore[type-arg]
+            wants = sum(r.state.name == "DECODING" for r in decoded) + sum(e._completes(r, n) for r, n in chunks)
+            calls.append((e._steps, len(decoded), sum(n for _, n in chunks), wants))
+            return run(decoded, chunks)
+
+        e._run_batch = logged  # type: ignore[method-assign]
+        busy = e.generate("busy", "p", history(1), SamplingSettings(temperature=0, sample_len=400))
+        while e.stats().steps < 3:
+            time.sleep(0.005)
+        reply = e.generate("quick", "p", history(), GREEDY.merged(sample_len=1)).result()
+        busy.cancel()
+    assert reply.usage is not None and reply.usage.completion_tokens == 1
+    mixed = [c for c in calls if c[1] and c[2] > 1]
+    if not invariant:
+        assert mixed
+        return
+    assert not mixed  # decoders never share a llama_decode with a prompt's body
+    body = next(k for k, c in enumerate(calls) if c[1] == 0 and c[2] > 1 and c[0] >= 3)
+    # ...which ran first, then its last token beside the decoder, in the same step: the first
+    # token still comes out of the step that prefilled the prompt.
+    assert calls[body + 1][0] == calls[body][0]
+    assert calls[body + 1][1:] == (1, 1, 2)
+
+
 def test_evicted_session_restores_and_continues_identically(tiny_model: Path) -> None:
     turn2 = [*history(), M("assistant", "ok"), M("user", "and then?")]
     with Engine(str(tiny_model), EngineOptions(context_tokens=4096, session_context_tokens=1024, hot_sessions=2)) as e:

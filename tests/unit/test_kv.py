@@ -223,7 +223,7 @@ def make_scheduler(kv: KVManager, max_running: int = 4) -> tuple[Scheduler, list
         req.transition(state)
         ended.append((req, state))
 
-    sched = Scheduler(kv, max_running=max_running, batch_tokens=64, prefill_chunk=16, lone_last_token=True, end=end)
+    sched = Scheduler(kv, max_running=max_running, batch_tokens=64, prefill_chunk=16, end=end)
     return sched, ended
 
 

@@ -44,8 +44,9 @@ def test_a_short_prompt_never_waits_behind_a_long_one() -> None:
     assert plan.prefill == ((1, 30), (0, 128))
 
 
-def test_without_batch_invariance_the_last_prompt_token_rides_with_the_prompt() -> None:
-    assert plan_batch([R(False, 20, True)], 512, 128, lone_last_token=False).prefill == ((0, 20),)
+def test_the_last_prompt_token_rides_with_its_prompt() -> None:
+    # The engine, not the plan, decodes it apart when batch_invariant asks (Engine._step).
+    assert plan_batch([R(False, 20, True)], 512, 128).prefill == ((0, 20),)
 
 
 def test_a_prompt_alone_uses_the_whole_batch() -> None:
@@ -91,10 +92,7 @@ def test_shortest_first_lets_the_nearest_to_done_prompts_take_whole_chunks() -> 
     assert plan.prefill == ((2, 40),)
 
 
-def test_the_last_prompt_token_of_a_reply_is_decoded_alone_while_its_request_is_alone() -> None:
-    assert plan_batch([R(False, 20, True)], 512, 128).prefill == ((0, 19),)
-    assert plan_batch([R(False, 1, True)], 512, 128).prefill == ((0, 1),)
-    # Beside others the batch's make-up changes the numbers anyway: it rides with its prompt.
+def test_a_follow_up_is_planned_whole_beside_others() -> None:
     assert plan_batch([R(True, 0), R(False, 20, True)], 512, 128).prefill == ((1, 20),)
     assert plan_batch([R(False, 20, True), R(False, 900, False)], 512, 128).prefill == ((0, 20), (1, 128))
 
@@ -290,5 +288,3 @@ def test_random_plans_fit_the_batch_and_never_overshoot_a_prompt(fair: bool) -> 
         for i, n in plan.prefill:
             r = active[i]
             assert not r.decoding and 0 < n <= r.prefill_remaining
-            if r.needs_logits and r.prefill_remaining > 1 and len(active) == 1:
-                assert n < r.prefill_remaining  # alone, the last token goes alone
