@@ -23,6 +23,7 @@ protos: setup
 	.venv/bin/python scripts/gen_protos.py
 
 bench: setup  ## engine, affinity and peer benchmarks (prints tables, writes bench/results/)
+	.venv/bin/python bench/invariance.py
 	.venv/bin/python bench/engine.py
 	.venv/bin/python bench/affinity.py
 	.venv/bin/python bench/peer.py
