@@ -25,6 +25,7 @@ import llama_cpp as ll
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from engine import primitive_context
 from harness import RESULTS, machine_facts
 
 from hotloop_serve.engine.model import Model
@@ -37,24 +38,12 @@ DECODERS = 7
 
 
 class Probe:
-    """One context as the engine makes it (see ``Engine._create_context``), driven row by row."""
+    """A context shaped as the engine's (``engine.primitive_context``), driven row by row."""
 
     def __init__(self, model: Model, threads: int) -> None:
-        p = ll.llama_context_default_params()
-        p.n_ctx, p.n_batch, p.n_ubatch, p.n_seq_max = 8192, 512, 512, 16
-        p.n_threads = p.n_threads_batch = threads
-        p.kv_unified, p.swa_full, p.no_perf = True, True, True
-        p.flash_attn_type = ll.LLAMA_FLASH_ATTN_TYPE_ENABLED
         self.model = model
-        self.ctx = ll.llama_init_from_model(model.ptr, p)
+        self.ctx, self.batch = primitive_context(model, threads)
         self.mem = ll.llama_get_memory(self.ctx)
-        self.batch = ll.llama_batch_init(512, 0, 1)
-
-    def tokens(self, text: str) -> list[int]:
-        raw = text.encode()
-        buf = (ll.llama_token * 1024)()
-        n = ll.llama_tokenize(self.model.vocab, raw, len(raw), buf, 1024, True, True)
-        return list(buf[:n])
 
     def decode(self, rows: list[Row]) -> list[np.ndarray]:
         """One llama_decode of ``rows``; the logits of the rows that want them."""
@@ -181,10 +170,13 @@ def main(argv: list[str] | None = None) -> int:
     model = Model(embedded_model_path(progress=False), repack=False)
     probe = Probe(model, args.threads)
     try:
-        prompt = probe.tokens("<start_of_turn>user\nCount from one to five.<end_of_turn>\n<start_of_turn>model\n")
-        other = probe.tokens(
+        prompt = model.tokenize(
+            "<start_of_turn>user\nCount from one to five.<end_of_turn>\n<start_of_turn>model\n", add_special=True
+        )
+        other = model.tokenize(
             "<start_of_turn>user\nWrite a long story about a dragon and a knight who become friends."
-            "<end_of_turn>\n<start_of_turn>model\n"
+            "<end_of_turn>\n<start_of_turn>model\n",
+            add_special=True,
         )
         regimes = logits_by_row_count(probe, prompt, other)
         costs = split_cost(probe, other, args.reps)

@@ -792,15 +792,20 @@ class Engine:
         chunks = [(running[i], count) for i, count in plan.prefill]
         elapsed = 0.0
         if self.options.batch_invariant:
-            ending = {id(req) for req, count in chunks if self._completes(req, count)}
-            body = [(req, count - (id(req) in ending)) for req, count in chunks]
-            body = [(req, count) for req, count in body if count > 0]
-            if body and (decoded or ending):
+            body: list[tuple[Request, int]] = []
+            last_tokens: list[tuple[Request, int]] = []
+            for req, count in chunks:
+                ends = self._completes(req, count)
+                if ends:
+                    last_tokens.append((req, 1))
+                if count > ends:
+                    body.append((req, count - ends))
+            if body and (decoded or last_tokens):
                 took = self._run_batch([], body)
                 if took is None:
                     return
                 elapsed = took
-                chunks = [(req, 1) for req, _ in chunks if id(req) in ending]
+                chunks = last_tokens
         took = self._run_batch(decoded, chunks)
         if took is None:
             return
