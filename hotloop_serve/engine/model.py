@@ -17,6 +17,8 @@ import llama_cpp as ll
 from hotloop_serve.errors import InvalidArgument
 
 _backend_lock = threading.Lock()
+_PIECE_CACHE = 65536
+"""Most token pieces a model keeps (a few MB); past it the cache starts again."""
 _backend_ready = False
 # Keep a reference to the ctypes log callback: a collected callback segfaults llama.cpp.
 _LOG_CALLBACK = ll.llama_log_callback(lambda level, text, user_data: None)
@@ -78,6 +80,7 @@ class Model:
         self.add_bos: bool = bool(ll.llama_vocab_get_add_bos(self.vocab))
         self.metadata = self._read_metadata()
         self._eog_cache: dict[int, bool] = {}
+        self._pieces: dict[int, bytes] = {}
 
     @property
     def ptr(self) -> ll.llama_model_p:
@@ -125,7 +128,16 @@ class Model:
         return list(buf[:n])
 
     def piece(self, token: int) -> bytes:
-        """The bytes of one token (control tokens render as nothing)."""
+        """The bytes of one token (control tokens render as nothing). Cached: called once per
+        generated token, and each ctypes call hands the GIL to the replica's event loop."""
+        hit = self._pieces.get(token)
+        if hit is None:
+            if len(self._pieces) >= _PIECE_CACHE:
+                self._pieces.clear()
+            hit = self._pieces[token] = self._render(token)
+        return hit
+
+    def _render(self, token: int) -> bytes:
         buf = ctypes.create_string_buffer(64)
         n = ll.llama_token_to_piece(self.vocab, token, buf, 64, 0, False)
         if n < 0:

@@ -3,7 +3,8 @@
 ``Sampler`` owns one llama.cpp sampler chain built from a session's settings: penalties,
 top-k, top-p, min-p, temperature, then a seeded draw (or greedy at temperature 0); with a
 grammar (structured output), llama.cpp's grammar sampler constrains the draw
-(``_sample_constrained``). The draw's RNG lives in the chain, so a fixed seed reproduces
+(``_sample_constrained``). The chain is handed only the candidates that can decide the draw
+(``decisive_k``), not the whole vocabulary. The draw's RNG lives in the chain, so a fixed seed reproduces
 a reply whatever else shares the batch. A request that asked for logprobs also gets each
 sampled token's log-probability from the row's logits (numpy, only for those requests).
 
@@ -59,6 +60,49 @@ def prefilter_k(settings: SamplingSettings) -> int:
     return k + settings.repeat_last_n if k > 0 else 0
 
 
+def decisive_k(settings: SamplingSettings) -> int:
+    """How many of the highest logits decide the draw exactly (0: all of them can).
+
+    ``llama_sampler_sample`` copies the whole vocabulary (262,144 candidates for Gemma) into a
+    candidate array before the chain runs: 0.28 ms a row on this project's 2-core machine,
+    more than the rest of a token's Python work, and it holds a core while the batch's other
+    rows wait. But a chain that begins with a top-k cut (greedy is top-1; the penalties'
+    prefilter, :func:`prefilter_k`, is one) sees only the top ``k`` candidates whatever else
+    the array holds, so the chain given every candidate above a threshold that keeps at least
+    ``k`` of them draws the same token, from the same RNG state. Without such a cut (top_k 0,
+    or a penalty < 1 that can lift any token into the top) top-p and the draw's softmax need
+    the whole tail: 0.
+    """
+    k = 1 if settings.greedy else settings.top_k
+    if k <= 0:
+        return 0
+    if settings.repeat_penalty != 1.0 and settings.repeat_last_n > 0:
+        return prefilter_k(settings)
+    return k
+
+
+_FIRST_MARGIN = 8.0
+"""Logit distance below the best candidate of the first threshold tried (it widens until at
+least ``decisive_k`` candidates lie above it); Gemma's top 40 usually lie within it (a few
+hundred candidates)."""
+
+
+def top_candidates(logits: np.ndarray, k: int) -> np.ndarray | None:
+    """Ids of every logit within a margin of the best, the margin widened until there are at
+    least ``k`` (so they include the top ``k``, ties at the edge too); None when the row has
+    no finite best or fewer than ``k`` candidates near it (the caller samples the whole row)."""
+    best = float(logits.max())
+    if not math.isfinite(best):
+        return None
+    margin = _FIRST_MARGIN
+    while margin < 1e6:
+        ids = np.flatnonzero(logits >= best - margin)
+        if len(ids) >= k:
+            return ids
+        margin *= 1.5  # Gemma's logits are soft-capped: all of them lie within ~60 of the best
+    return None
+
+
 class Sampler:
     """A llama.cpp sampler chain for one request; free() it when the request ends.
 
@@ -67,7 +111,7 @@ class Sampler:
     end-of-generation token ends the reply before it could ever be penalized.
     """
 
-    __slots__ = ("_chain", "_grammar", "_logprobs", "_n_vocab", "_top")
+    __slots__ = ("_argmax", "_chain", "_decisive", "_grammar", "_logprobs", "_n_vocab", "_top")
 
     def __init__(
         self, settings: SamplingSettings, n_vocab: int, rng: random.Random, vocab: ll.llama_vocab_p | None = None
@@ -85,7 +129,11 @@ class Sampler:
                 raise InvalidArgument("grammar could not be loaded by llama.cpp (see the server log)")
         chain = ll.llama_sampler_chain_init(ll.llama_sampler_chain_default_params())
         add = ll.llama_sampler_chain_add
-        if settings.repeat_penalty != 1.0 and settings.repeat_last_n > 0:
+        penalized = settings.repeat_penalty != 1.0 and settings.repeat_last_n > 0
+        self._decisive = decisive_k(settings)
+        self._argmax = settings.greedy and not penalized
+        """The chain is llama.cpp's greedy sampler alone (stateless, the first best logit): an argmax."""
+        if penalized:
             k = prefilter_k(settings)
             if 0 < k < n_vocab:
                 add(chain, ll.llama_sampler_init_top_k(k))
@@ -106,9 +154,31 @@ class Sampler:
 
     def sample(self, ctx: ll.llama_context_p, output_index: int) -> int:
         """Sample (and accept) a token from the logits at ``output_index`` of the last decode."""
-        if self._grammar is None:
-            return int(ll.llama_sampler_sample(self._chain, ctx, output_index))
-        return self._sample_constrained(ctx, output_index)
+        if self._grammar is not None:
+            return self._sample_constrained(ctx, output_index)
+        if self._decisive:
+            logits = np.ctypeslib.as_array(ll.llama_get_logits_ith(ctx, output_index), shape=(self._n_vocab,))
+            if self._argmax:
+                return int(logits.argmax())  # llama.cpp's greedy keeps the first best, as argmax does
+            ids = top_candidates(logits, self._decisive)
+            if ids is not None:
+                return self._sample_among(ids, logits)
+        return int(ll.llama_sampler_sample(self._chain, ctx, output_index))
+
+    def _sample_among(self, ids: np.ndarray, logits: np.ndarray) -> int:
+        """Run the chain over the candidates ``ids`` (in vocabulary order, as llama.cpp builds
+        them) and accept its draw: what ``llama_sampler_sample`` does over the whole row."""
+        data = np.empty(len(ids), dtype=_TOKEN_DATA)
+        data["id"] = ids
+        data["logit"] = logits[ids]
+        data["p"] = 0.0
+        cur = ll.llama_token_data_array(
+            data=data.ctypes.data_as(ll.llama_token_data_p), size=len(ids), selected=-1, sorted=False
+        )
+        ll.llama_sampler_apply(self._chain, ctypes.byref(cur))
+        token = int(cur.data[cur.selected].id)
+        ll.llama_sampler_accept(self._chain, token)
+        return token
 
     def _candidates(self, ctx: ll.llama_context_p, output_index: int) -> tuple[np.ndarray, ll.llama_token_data_array]:
         """The row's logits as llama.cpp's candidate array (what ``llama_sampler_sample`` builds)."""

@@ -375,6 +375,25 @@ def test_penalty_prefilter_changes_nothing(tiny_model: Path, monkeypatch: pytest
     assert run() == with_prefilter
 
 
+def test_top_candidates_hold_the_top_k_ties_included() -> None:
+    import numpy as np
+
+    from hotloop_serve.engine.sampling import top_candidates
+
+    rng = np.random.default_rng(3)
+    logits = rng.normal(0, 30, 5000).astype(np.float32)  # spread wider than the first margin
+    for k in (1, 40, 104, 4999):
+        ids = top_candidates(logits, k)
+        assert ids is not None and len(ids) >= k
+        assert set(np.argsort(-logits, kind="stable")[:k]) <= set(ids)
+        assert list(ids) == sorted(ids)  # vocabulary order, as llama.cpp builds its candidates
+    tied = np.zeros(100, dtype=np.float32)
+    ids = top_candidates(tied, 3)
+    assert ids is not None and len(ids) == 100
+    assert top_candidates(np.full(10, -np.inf, dtype=np.float32), 1) is None
+    assert top_candidates(np.array([0.0, -np.inf], dtype=np.float32), 2) is None
+
+
 def test_calls_after_an_engine_failure_fail_fast(tiny_model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from hotloop_serve.engine import engine as engine_module
     from hotloop_serve.errors import Unavailable

@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import Any
+
+import pytest
 
 from hotloop_serve.engine import ChatMessage as M
 from hotloop_serve.engine import Engine, EngineOptions, SamplingSettings
@@ -70,3 +73,45 @@ def test_eight_replies_that_outgrow_the_pool_all_complete(gemma_model: Path) -> 
     total = sum(r.usage.prompt_tokens + r.usage.completion_tokens for r in results if r.usage)
     if total > 4096:
         assert stats.preemptions > 0
+
+
+def test_sampling_among_the_decisive_candidates_draws_what_the_whole_row_draws(
+    gemma_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The sampler hands llama.cpp's chain only the candidates near the best logit (262,144 in
+    Gemma's vocabulary otherwise); every setting that cuts to a top-k draws the same tokens."""
+    from hotloop_serve.engine import sampling
+
+    cases = [
+        GREEDY.merged(sample_len=40),
+        GREEDY.merged(repeat_penalty=1.5, repeat_last_n=16, sample_len=40),
+        *(
+            SamplingSettings(temperature=t, seed=seed, top_k=k, top_p=p, min_p=0.02, sample_len=40, repeat_penalty=1.0)
+            for seed, (t, k, p) in enumerate([(0.7, 40, 0.95), (1.5, 200, 1.0), (1.0, 1, 0.9)])
+        ),
+        SamplingSettings(seed=7, sample_len=40),  # the defaults: penalty 1.1 over the last 64
+    ]
+    cut: list[int] = []
+    real = sampling.top_candidates
+
+    def counted(logits: Any, k: int) -> Any:
+        ids = real(logits, k)
+        cut.append(len(ids) if ids is not None else len(logits))
+        return ids
+
+    def run() -> list[list[int]]:
+        with Engine(str(gemma_model), EngineOptions(context_tokens=4096, session_context_tokens=2048, threads=2)) as e:
+            replies = []
+            for i, s in enumerate(cases):
+                history = [M("user", f"Write a short poem about the number {i}.")]
+                chunk = e.generate(f"s{i}", "a", history, s.merged(logprobs=True)).result()
+                replies.append([lp.token for lp in chunk.logprobs or ()])
+            return replies
+
+    assert all(sampling.decisive_k(s) > 0 for s in cases)
+    monkeypatch.setattr(sampling, "top_candidates", counted)
+    among_decisive = run()
+    assert all(len(tokens) >= 10 for tokens in among_decisive)
+    assert cut and max(cut) < 262_144 // 8  # the chain saw a sliver of the vocabulary
+    monkeypatch.setattr(sampling, "decisive_k", lambda s: 0)
+    assert run() == among_decisive
