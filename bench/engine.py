@@ -4,7 +4,8 @@
 0. the primitive: llama.cpp's low-level batched loop (one ``llama_decode`` per step for n
    sequences, greedy, no penalty) vs the engine at 1/2/4/8 sessions with identical settings
    and a fixed reply length; the ratio engine / primitive (target >= 0.95 at every width)
-0b. repeat penalty on (with and without the exact top-k prefilter) vs off, 8 sessions
+0b. repeat penalty on (with and without the exact top-k prefilter) vs off, 8 sessions; the
+    sampler chain over the candidates that decide the draw vs over the whole vocabulary
 0c. KV layout (unified / per-session streams, full-size SWA cache or not) and KV types
     (f16, q8_0) at 8 sessions x ~1,000-token contexts: tok/s, KV MiB per session, greedy
     agreement with the default
@@ -226,7 +227,34 @@ def engine_vs_primitive(path: Path, tokens: int, threads: int) -> list[dict[str,
         finally:
             sampling.prefilter_k = real
         rows.append(row("0b. 8 sessions, penalty 1.1 over the full vocab (vs off)", full, "tok/s", off))
+        rows.extend(sampler_candidates(engine, tokens, off))
     return rows
+
+
+def sampler_candidates(engine: Engine, tokens: int, greedy_rate: float) -> list[dict[str, Any]]:
+    """Row 0b': the sampler chain over the candidates that decide the draw (``decisive_k``:
+    argmax for plain greedy, every logit near the best for a top-k chain) vs over the whole
+    262k vocabulary (``llama_sampler_sample``, the baseline), 8 sessions, same tokens drawn."""
+    from hotloop_serve.engine import sampling
+
+    top_k = SamplingSettings(temperature=0.7, top_k=40, top_p=0.95, min_p=0.05, repeat_penalty=1.0, seed=1)
+    top_k = top_k.merged(sample_len=tokens)
+    decisive, _ = fixed_run(engine, 8, tokens, top_k, "cut-on")
+    real = sampling.decisive_k
+    sampling.decisive_k = lambda s: 0
+    try:
+        whole_greedy, _ = fixed_run(
+            engine, 8, tokens, SamplingSettings(temperature=0, sample_len=tokens, repeat_penalty=1.0), "cut-off-g"
+        )
+        whole, _ = fixed_run(engine, 8, tokens, top_k, "cut-off")
+    finally:
+        sampling.decisive_k = real
+    return [
+        row("0b'. 8 sessions greedy, sampler over the whole vocab (before)", whole_greedy, "tok/s"),
+        row("0b'. 8 sessions greedy, argmax (vs whole vocab)", greedy_rate, "tok/s", whole_greedy),
+        row("0b'. 8 sessions top-k 40 / top-p / min-p, whole vocab (before)", whole, "tok/s"),
+        row("0b'. 8 sessions top-k 40, decisive candidates (vs whole vocab)", decisive, "tok/s", whole),
+    ]
 
 
 def layouts(path: Path, tokens: int, threads: int) -> list[dict[str, Any]]:
@@ -483,6 +511,7 @@ def main() -> int:
     ap.add_argument("--history", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--only-new", action="store_true", help="only the rows 0-0e (engine vs primitive, options)")
     ap.add_argument("--pacing-only", action="store_true", help="only the rows 0e (prefill pacing)")
+    ap.add_argument("--sampler-only", action="store_true", help="only the rows 0-0b' (engine vs primitive, sampler)")
     ap.add_argument("--json", type=Path, default=Path(__file__).parent / "results" / "engine.json")
     ns = ap.parse_args()
     path = embedded_model_path(progress=True)
@@ -501,6 +530,8 @@ def main() -> int:
     if ns.pacing_only:
         return _write(ns, pacing(path, ns.threads))
     rows = engine_vs_primitive(path, ns.tokens, ns.threads)
+    if ns.sampler_only:
+        return _write(ns, rows)
     rows += layouts(path, 64, ns.threads)
     rows += ttft_during_cold_prefill(path, ns.threads)
     rows += pacing(path, ns.threads)

@@ -30,6 +30,7 @@ from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
 import llama_cpp as ll
+import numpy as np
 
 from hotloop_serve.engine.chat_template import ChatMessage, ChatTemplate, builtin_template
 from hotloop_serve.engine.config import EngineOptions
@@ -872,9 +873,13 @@ class Engine:
                 elif req.resume_token is not None:  # a pre-empted reply rebuilt its cache: go on decoding
                     req.last_token, req.resume_token = req.resume_token, None
                     req.transition(RequestState.DECODING)
-        for req, index in outputs:
-            if req.live:
-                self._sample(req, index)
+        if outputs:
+            # One view of every row of logits: a llama_get_logits_ith call per row would release
+            # the GIL each time, handing it to the replica's event loop in the middle of the step.
+            rows = np.ctypeslib.as_array(ll.llama_get_logits(self._ctx), shape=(len(outputs), self.model.n_vocab))
+            for row, (req, index) in enumerate(outputs):
+                if req.live:
+                    self._sample(req, index, rows[row])
         return took
 
     def _decode_failed(self, rc: int) -> None:
@@ -895,12 +900,12 @@ class Engine:
             self.kv.clear(req.session)
         self.scheduler.drop_finished()
 
-    def _sample(self, req: Request, index: int) -> None:
+    def _sample(self, req: Request, index: int, logits: np.ndarray) -> None:
         assert req.sampler is not None
         now = time.perf_counter()
         if req.generated == 0:
             req.t_first = now
-        token = req.sampler.sample(self._ctx, index)
+        token = req.sampler.sample(self._ctx, index, logits)
         if self.model.is_eog(token):
             self._finish(req, "eos", cache_token=token)
             return

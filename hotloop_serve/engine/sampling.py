@@ -152,12 +152,14 @@ class Sampler:
             add(chain, ll.llama_sampler_init_dist(fold_seed(seed)))
         self._chain = chain
 
-    def sample(self, ctx: ll.llama_context_p, output_index: int) -> int:
-        """Sample (and accept) a token from the logits at ``output_index`` of the last decode."""
+    def sample(self, ctx: ll.llama_context_p, output_index: int, logits: np.ndarray | None = None) -> int:
+        """Sample (and accept) a token from the logits at ``output_index`` of the last decode
+        (``logits``: that row, when the caller holds it already)."""
         if self._grammar is not None:
             return self._sample_constrained(ctx, output_index)
         if self._decisive:
-            logits = np.ctypeslib.as_array(ll.llama_get_logits_ith(ctx, output_index), shape=(self._n_vocab,))
+            if logits is None:
+                logits = np.ctypeslib.as_array(ll.llama_get_logits_ith(ctx, output_index), shape=(self._n_vocab,))
             if self._argmax:
                 return int(logits.argmax())  # llama.cpp's greedy keeps the first best, as argmax does
             ids = top_candidates(logits, self._decisive)

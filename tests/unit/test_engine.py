@@ -375,6 +375,37 @@ def test_penalty_prefilter_changes_nothing(tiny_model: Path, monkeypatch: pytest
     assert run() == with_prefilter
 
 
+def test_each_sampled_row_is_the_logits_llama_cpp_gives_for_its_batch_index(
+    tiny_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The engine reads a step's logits as one array (one ctypes call, not one per row): row
+    ``j`` must be what ``llama_get_logits_ith`` gives for the j-th output's batch index, with
+    decoders and prompts' last tokens mixed in one batch and in split steps."""
+    import llama_cpp as ll
+    import numpy as np
+
+    from hotloop_serve.engine import sampling
+
+    checked: list[bool] = []
+    real = sampling.Sampler.sample
+
+    def checking(self: sampling.Sampler, ctx: object, index: int, logits: object = None) -> int:
+        n_vocab = len(logits)  # type: ignore[arg-type]
+        expected = np.ctypeslib.as_array(ll.llama_get_logits_ith(ctx, index), shape=(n_vocab,))
+        checked.append(bool(np.array_equal(logits, expected)))  # type: ignore[arg-type]
+        return real(self, ctx, index, logits)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(sampling.Sampler, "sample", checking)
+    with Engine(str(tiny_model), EngineOptions(context_tokens=4096, session_context_tokens=1024)) as e:
+        first = [e.generate(f"s{i}", "a", history(i), GREEDY.merged(sample_len=40 + i)) for i in range(3)]
+        while e.stats().steps < 3:  # they decode; newcomers' prompts now join their steps
+            time.sleep(0.001)
+        later = [e.generate(f"t{i}", "a", history(i + 3), GREEDY.merged(sample_len=20)) for i in range(2)]
+        for st in first + later:
+            st.result()
+    assert len(checked) > 100 and all(checked)
+
+
 def test_top_candidates_hold_the_top_k_ties_included() -> None:
     import numpy as np
 
