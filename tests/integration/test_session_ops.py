@@ -17,6 +17,7 @@ from hotloop_client import (
     InvalidArgument,
     Message,
     Role,
+    Session,
     Settings,
     with_message_replaced,
     without_last_reply,
@@ -131,10 +132,14 @@ def test_list_across_two_replicas(sessions_duo: str) -> None:
     address = sessions_duo
     with alice(address) as client, Client(address, token=TOKENS["bob"]) as bob:
         model = client.model(LIST_APP)
-        sessions = [model.new_session(settings=GREEDY) for _ in range(6)]
-        replicas = set()
-        for i, s in enumerate(sessions):
-            chunks = list(s.generate([Message(Role.USER, f"Hello number {i}")]))
+        # Session ids rendezvous-hash onto replicas, so six sessions all land on one replica
+        # one time in 32: open sessions until both replicas own some (1 in 2**19 to fail).
+        sessions: list[Session] = []
+        replicas: set[str] = set()
+        while len(sessions) < 6 or (len(replicas) < 2 and len(sessions) < 20):
+            s = model.new_session(settings=GREEDY)
+            sessions.append(s)
+            chunks = list(s.generate([Message(Role.USER, f"Hello number {len(sessions)}")]))
             assert chunks[-1].served_by is not None
             replicas.add(chunks[-1].served_by.replica)
         listed = {info.id: info for info in model.list_sessions()}
