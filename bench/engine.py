@@ -10,6 +10,10 @@
     (f16, q8_0) at 8 sessions x ~1,000-token contexts: tok/s, KV MiB per session, greedy
     agreement with the default
 0d. a hot follow-up's TTFT while a 4,000-token cold prompt prefills, vs alone
+0f. one 512-row prefill step of 8 prompts, each with 1,024 cells of history in a unified pool,
+    by the layout of its pieces: 67-69 rows each (the baseline: pieces across flash attention's
+    64-row query tiles), whole 64-row tiles (the scheduler's layout), and whole tiles whose
+    sequences' KV cells sit off the 64-cell grid (a 49-token prefix copied to all of them)
 0e. one session's time between tokens (p50/p99) while 3 newcomers prefill ~1,500-token
     prompts, and the newcomers' mean TTFT, per ``step_target_ms`` (0 = fixed prefill chunk,
     the baseline): the pacing trade-off, both sides
@@ -179,6 +183,107 @@ def primitive_prefill(path: Path, threads: int, tokens: int = 2048, sequences: i
     ll.llama_free(ctx)
     model.close()
     return rate
+
+
+def prefill_tiles(path: Path, threads: int, history: int = 1024, repeats: int = 3) -> list[dict[str, Any]]:
+    """Rows 0f: the same 512 prompt rows of 8 sequences in one ``llama_decode``, by piece layout.
+
+    llama.cpp's CPU flash attention works on 64-row query tiles against 64-cell KV tiles and
+    skips a KV tile only when it is masked for every row of the query tile: a tile with rows of
+    two prompts computes both prompts' KV tiles. Each layout is timed on a pool filled the same
+    way, the step's cells removed again after each timing (best of ``repeats``).
+    """
+    import llama_cpp as ll
+
+    from hotloop_serve.engine.model import Model
+
+    model = Model(path, repack=False)
+    ctx, batch = primitive_context(model, threads)
+    memory = ll.llama_get_memory(ctx)
+    text = " ".join(f"{FIXED_PROMPT} ({i})" for i in range(400))
+    tokens = [model.bos, *model.tokenize(text)]
+
+    def decode(pieces: list[tuple[int, int]], pos: dict[int, int]) -> float:
+        n = 0
+        for seq, count in pieces:
+            for k in range(count):
+                p = pos[seq] + k
+                batch.token[n], batch.pos[n], batch.n_seq_id[n], batch.logits[n] = tokens[p % 2000], p, 1, False
+                batch.seq_id[n][0] = seq
+                n += 1
+            pos[seq] += count
+        batch.logits[n - 1] = True
+        batch.n_tokens = n
+        t0 = time.perf_counter()
+        assert ll.llama_decode(ctx, batch) == 0
+        return time.perf_counter() - t0
+
+    def fill(shared: int) -> dict[int, int]:
+        ll.llama_memory_clear(memory, True)
+        pos = dict.fromkeys(range(8), 0)
+        if shared:  # a common prefix, copied to every sequence as the engine copies one
+            decode([(0, shared)], pos)
+            for seq in range(1, 8):
+                ll.llama_memory_seq_cp(memory, 0, seq, 0, shared)
+                pos[seq] = shared
+        while pos[7] < history:
+            decode([(seq, 64) for seq in range(8)], pos)
+        return pos
+
+    def step(pos: dict[int, int], pieces: list[tuple[int, int]]) -> float:
+        best = float("inf")
+        for _ in range(repeats):
+            before = dict(pos)
+            best = min(best, decode(pieces, pos))
+            for seq in range(8):
+                ll.llama_memory_seq_rm(memory, seq, before[seq], -1)
+            pos.update(before)
+        return 512 / best
+
+    odd = [(0, 32), (1, 67), (2, 69), (3, 69), (4, 68), (5, 69), (6, 69), (7, 69)]
+    whole = [(seq, 64) for seq in range(8)]
+    try:
+        pos = fill(0)
+        base = step(pos, odd)
+        aligned = step(pos, whole)
+        off_grid = step(fill(49), whole)
+    finally:
+        ll.llama_batch_free(batch)
+        ll.llama_free(ctx)
+        model.close()
+    return [
+        row(f"0f. 512-row step, pieces of 67-69 rows, {history} history", base, "tok/s"),
+        row("0f. same, whole 64-row pieces (vs 67-69)", aligned, "tok/s", base),
+        row("0f. same, whole pieces, KV off the 64-cell grid", off_grid, "tok/s", base),
+    ]
+
+
+def burst_by_tiles(path: Path, threads: int, prompts: int = 5, rounds: int = 2) -> list[dict[str, Any]]:
+    """Row 0f: ``prompts`` first turns at once on a fresh engine, prompt tokens/s until the last
+    one's first token, with the scheduler's whole-tile pieces and without (the baseline)."""
+    from hotloop_serve.engine import engine as engine_module
+    from hotloop_serve.engine import scheduler
+
+    tile = scheduler.PREFILL_TILE
+    greedy = SamplingSettings(temperature=0, sample_len=1)
+    text = LONG_TEXT[:4000]
+    histories = [[ChatMessage("user", f"Reader {i}: {text}{text[: 200 * i]}\nSummarise this.")] for i in range(prompts)]
+    rates: dict[int, list[float]] = {1: [], tile: []}
+    try:
+        for _, size in itertools.product(range(rounds), (1, tile)):
+            engine_module.PREFILL_TILE = scheduler.PREFILL_TILE = size
+            with Engine(str(path), EngineOptions(threads=threads, context_tokens=32768)) as engine:
+                t0 = time.perf_counter()
+                streams = [engine.generate(f"b{i}", f"p{i}", h, greedy) for i, h in enumerate(histories)]
+                done = [st.result() for st in streams]
+                rates[size].append(sum(r.usage.prefilled_tokens for r in done if r.usage) / (time.perf_counter() - t0))
+    finally:
+        engine_module.PREFILL_TILE = scheduler.PREFILL_TILE = tile
+    base, tiled = max(rates[1]), max(rates[tile])
+    return [
+        row(f"0f. engine, {prompts} first turns at once, pieces as before", base, "tok/s"),
+        row("0f. same, whole-tile pieces (vs before)", tiled, "tok/s", base),
+    ]
 
 
 def primitive_prefill_isolated(threads: int) -> float:
@@ -511,6 +616,7 @@ def main() -> int:
     ap.add_argument("--history", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--only-new", action="store_true", help="only the rows 0-0e (engine vs primitive, options)")
     ap.add_argument("--pacing-only", action="store_true", help="only the rows 0e (prefill pacing)")
+    ap.add_argument("--tiles-only", action="store_true", help="only the rows 0f (prefill pieces vs attention tiles)")
     ap.add_argument("--sampler-only", action="store_true", help="only the rows 0-0b' (engine vs primitive, sampler)")
     ap.add_argument("--json", type=Path, default=Path(__file__).parent / "results" / "engine.json")
     ns = ap.parse_args()
@@ -529,12 +635,15 @@ def main() -> int:
     print(f"|{'-' * 54}|{'-' * 19}|{'-' * 9}|{'-' * 10}|")
     if ns.pacing_only:
         return _write(ns, pacing(path, ns.threads))
+    if ns.tiles_only:
+        return _write(ns, prefill_tiles(path, ns.threads) + burst_by_tiles(path, ns.threads))
     rows = engine_vs_primitive(path, ns.tokens, ns.threads)
     if ns.sampler_only:
         return _write(ns, rows)
     rows += layouts(path, 64, ns.threads)
     rows += ttft_during_cold_prefill(path, ns.threads)
     rows += pacing(path, ns.threads)
+    rows += prefill_tiles(path, ns.threads) + burst_by_tiles(path, ns.threads)
     if ns.only_new:
         return _write(ns, rows)
     raw = raw_llama_decode_isolated(ns.tokens, ns.threads)

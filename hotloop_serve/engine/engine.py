@@ -39,7 +39,7 @@ from hotloop_serve.engine.model import Model
 from hotloop_serve.engine.persist import DiskStore, SessionBlob, model_fingerprint, to_kv_bytes
 from hotloop_serve.engine.requests import Request, RequestKind, RequestState
 from hotloop_serve.engine.sampling import Sampler
-from hotloop_serve.engine.scheduler import BatchPlan, Scheduler
+from hotloop_serve.engine.scheduler import PREFILL_TILE, BatchPlan, Scheduler
 from hotloop_serve.engine.session import KVBytes, Session, SessionPhase, SessionRegistry
 from hotloop_serve.engine.settings import SamplingSettings
 from hotloop_serve.engine.stream import Chunk, RequestStream, Timings
@@ -837,6 +837,9 @@ class Engine:
             if wants:
                 outputs.append((req, n))
             n += 1
+        # Whole-tile prompt pieces first, so each starts on a flash-attention query tile
+        # (scheduler.PREFILL_TILE) where no decoder rows come before them (batch_invariant).
+        chunks = sorted(chunks, key=lambda chunk: chunk[1] % PREFILL_TILE != 0)
         for req, count in chunks:
             seq = req.session.seq
             assert seq is not None

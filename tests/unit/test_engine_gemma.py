@@ -39,6 +39,7 @@ def test_sliding_window_cells_reused_behind_a_session_are_never_used_as_its_cont
     opts = EngineOptions(context_tokens=4096, session_context_tokens=4096, hot_sessions=4)
     with Engine(str(gemma_model), opts) as e:
         e.generate("filler", "p", [M("user", "filler " + words(200, "gamma"))], GREEDY).result()
+        settle(e)
         first = e.generate("x", "p", opening, GREEDY).result()
         settle(e)
         e.close_session("filler", "p")  # frees the first cells: the slot search starts over there

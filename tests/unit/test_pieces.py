@@ -70,6 +70,26 @@ def test_prompts_that_arrive_together_finish_prefilling_in_the_same_step() -> No
     assert done_at == {steps - 1}  # all 8 prompts (last tokens included) finish in the same step
 
 
+def test_long_prompts_get_whole_attention_tiles_and_still_finish_together() -> None:
+    # Five prompts share 512 rows: 102-103 each would put two prompts in one 64-row flash
+    # attention tile; whole tiles instead, one piece taking what is left of the budget.
+    burst = [R(False, n, True, n) for n in (1000, 1010, 1020, 1030, 1040)]
+    first = plan_batch(burst, batch_tokens=512, prefill_chunk=128)
+    assert first.new_tokens == 512
+    assert sum(n % 64 != 0 for _, n in first.prefill) <= 1
+    steps, done_at = 0, set()
+    while any(r.prefill_remaining for r in burst):
+        plan = plan_batch(burst, batch_tokens=512, prefill_chunk=128)
+        unfinished = [n for i, n in plan.prefill if n < burst[i].prefill_remaining]
+        assert sum(n % 64 != 0 for n in unfinished) <= 1
+        for i, n in plan.prefill:
+            burst[i].prefill_remaining -= n
+            if not burst[i].prefill_remaining:
+                done_at.add(steps)
+        steps += 1
+    assert done_at == {steps - 1}
+
+
 def test_an_early_prompt_keeps_advancing_beside_a_newcomer() -> None:
     # Half an equal share each at least; the rest levels the newcomer down.
     plan = plan_batch([R(False, 300, True, 1000), R(False, 4000, True)], batch_tokens=512, prefill_chunk=128)
