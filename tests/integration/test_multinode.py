@@ -16,17 +16,22 @@ import pytest
 
 pytestmark = pytest.mark.integration
 SCRIPT = Path(__file__).parents[2] / "bench" / "multinode.py"
+NODE_START_TIMEOUT = "timed out during startup"
+"""Ray's error when a node's raylet did not come up in time: the cluster, not the scenario, failed."""
 
 
 def test_a_lost_node_loses_no_turn_and_its_replacement_fetches_the_moved_caches(tmp_path: Path) -> None:
     out = tmp_path / "multinode.json"
-    run = subprocess.run(
-        [sys.executable, str(SCRIPT), "--sessions", "4", "--sample-len", "6", "--json", str(out)],
-        check=False,
-        capture_output=True,
-        text=True,
-        timeout=540,
-    )
+    for _ in range(2):  # once more when Ray's simulated node did not start (2 cores shared by 3 nodes)
+        run = subprocess.run(
+            [sys.executable, str(SCRIPT), "--sessions", "4", "--sample-len", "6", "--json", str(out)],
+            check=False,
+            capture_output=True,
+            text=True,
+            timeout=540,
+        )
+        if run.returncode == 0 or NODE_START_TIMEOUT not in run.stderr:
+            break
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     result = json.loads(out.read_text())
     assert result["facts"]["nodes_of_replicas"] == 2  # the two replicas on two nodes
