@@ -169,7 +169,7 @@ PREFILL_TILE = 64
 tiles are 64 cells). A tile skips a KV tile only when it is masked for all of the tile's rows, so
 a tile holding rows of two prompts computes every KV tile either of them attends to. Long
 prompts therefore get whole tiles of a step, and the engine lays a step's whole-tile pieces out
-first (``Engine._step``): 8 prompts with 1,024 cells of history each, a 512-row step of pieces of
+first (``Engine._run_batch``): 8 prompts with 1,024 cells of history each, a 512-row step of pieces of
 64 rows took 1.29-1.35 s against 1.52-1.56 s for pieces of 67-69 (``bench/engine.py
 --tiles-only``)."""
 
@@ -209,7 +209,7 @@ def _share_long_prompts(needs: list[tuple[int, int]], budget: int, cap: int) -> 
 
 
 def _level(needs: list[tuple[int, int]], budget: int, cap: int) -> list[tuple[int, int]]:
-    """The levelling of :func:`_share_long_prompts`, in whatever unit ``needs`` counts."""
+    """The levelling of :func:`_share_long_prompts`, before its cut to whole tiles."""
     if not needs or budget <= 0:
         return []
     floor = budget // (2 * len(needs))  # 0 when the budget is smaller: then the longest go first
