@@ -2,14 +2,21 @@
 
 from __future__ import annotations
 
+import itertools
+import secrets
 import threading
 import time
+from collections.abc import Iterator
 
 import grpc
+import hotloop_client._base
 import pytest
 import ray
 from hotloop.v1 import session_pb2, session_pb2_grpc
 from hotloop_client import Chunk, Client, Message, Role, Session, Settings, TurnInterrupted
+
+from hotloop_serve.serve.router import rendezvous_order
+from hotloop_serve.serve.session_ids import routing_key
 
 from .conftest import DUO, SINGLE, Server, wait_until_every_replica_serves
 
@@ -24,12 +31,19 @@ def turn(session: Session, history: list[Message], text: str) -> Chunk:
     return chunks[-1]
 
 
-def converse(client: Client, sessions: int, turns: int, concurrent: bool) -> list[list[Chunk]]:
+def converse(
+    client: Client, sessions: int, turns: int, concurrent: bool, ids: list[str] | None = None
+) -> list[list[Chunk]]:
+    """Each session's final chunks, turn by turn (and its id in ``ids``, if given)."""
     model = client.model(DUO)
     results: list[list[Chunk]] = [[] for _ in range(sessions)]
+    if ids is not None:
+        ids[:] = [""] * sessions
 
     def one(i: int) -> None:
         s = model.new_session(settings=SETTINGS)
+        if ids is not None:
+            ids[i] = s.id
         history = [Message(Role.SYSTEM, f"You are assistant number {i}.")]
         for t in range(turns):
             results[i].append(turn(s, history, f"Session {i}, question {t}: say something."))
@@ -59,15 +73,42 @@ def affinity_share(results: list[list[Chunk]]) -> float:
     return hits / follow_ups
 
 
+def balanced_keys(n: int, ranks: tuple[str, ...] = ("0", "1")) -> Iterator[str]:
+    """Routing keys owned in turn by each rank (random keys put all 12 sessions on one of two
+    replicas once in 2,048 runs, and the spread check below would then fail by chance). Fresh
+    ones on every call: a closed session's key stays taken."""
+    nonce = secrets.token_hex(4)
+    for i in range(n):
+        yield next(
+            key
+            for key in (f"affinity-{nonce}-{i}-{j}" for j in itertools.count())
+            if rendezvous_order(key, list(ranks))[0] == i % len(ranks)
+        )
+
+
 @pytest.mark.parametrize("concurrent", [False, True], ids=["sequential", "concurrent"])
-def test_follow_ups_land_on_the_owner_and_reuse_its_cache(client: Client, concurrent: bool) -> None:
-    results = converse(client, sessions=12, turns=4, concurrent=concurrent)
+def test_follow_ups_land_on_the_owner_and_reuse_its_cache(
+    client: Client, concurrent: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    keys = balanced_keys(12)
+    lock = threading.Lock()
+
+    def next_key() -> str:
+        with lock:
+            return next(keys)
+
+    monkeypatch.setattr(hotloop_client._base, "new_session_key", next_key)
+    ids: list[str] = []
+    results = converse(client, sessions=12, turns=4, concurrent=concurrent, ids=ids)
     assert all(len(r) == 4 for r in results)
     share = affinity_share(results)
     print(f"\naffinity ({'concurrent' if concurrent else 'sequential'}): {share:.1%} of 36 follow-ups hit")
     assert share >= 0.99
-    replicas = {r[0].served_by.replica for r in results}  # type: ignore[union-attr]
-    assert len(replicas) == 2  # sessions spread over both replicas
+    # Sessions whose keys hash to rank 0 share one replica, rank 1's the other: both serve.
+    by_rank: dict[int, set[str]] = {0: set(), 1: set()}
+    for session_id, finals in zip(ids, results, strict=True):
+        by_rank[rendezvous_order(routing_key(session_id), ["0", "1"])[0]].add(finals[0].served_by.replica)  # type: ignore[union-attr]
+    assert len(by_rank[0]) == 1 and len(by_rank[1]) == 1 and by_rank[0] != by_rank[1]
 
 
 def test_models_report_the_replicas_running(client: Client) -> None:
