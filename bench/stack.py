@@ -16,10 +16,11 @@ with the ratio of each to the engine. Row 2b attributes the full stack's loss: t
 in-process again, while a Ray Serve deployment of the same model idles beside it (Ray's
 daemons and Serve's loops wake up on the same cores). The full stack runs with our Ray
 settings (``runner.RAY_SERVE_ENV``: slower Serve control loops, Ray workers at nice 0, proxies
-reaching replicas over gRPC) and
-once more with Ray's stock ones (their same-run baseline), each with the CPU time every
-process spent per generated token (client, Ray's proxy actor, the replica, the rest of Ray),
-from psutil. Decode tokens/s are counted from each stream's first to its last chunk; the
+reaching replicas over gRPC) and once more with Ray's stock ones (their same-run baseline),
+each with the CPU time every process spent per generated token (client, Ray's proxy actor,
+the replica, the rest of Ray), from psutil; the replica's is also split into llama.cpp's
+compute threads and its other threads (event loops, Ray's core worker, gRPC). Decode tokens/s
+are counted from each stream's first to its last chunk; the
 engine and full-stack rows are the median of ``--repeats`` runs.
 
 Run: ``.venv/bin/python bench/stack.py [--tokens 64] [--json bench/results/stack.json]``.
@@ -151,16 +152,42 @@ def cpu_seconds(procs: list[psutil.Process]) -> float:
     return total
 
 
-class CpuMeter:
-    """CPU time of Ray's processes from now on, per generated token (with the client's, given)."""
+def thread_cpu_seconds(procs: list[psutil.Process]) -> dict[tuple[int, int], float]:
+    """CPU seconds of every thread of ``procs``, by (pid, thread id)."""
+    out: dict[tuple[int, int], float] = {}
+    for p in procs:
+        try:
+            for t in p.threads():
+                out[p.pid, t.id] = t.user_time + t.system_time
+        except psutil.Error:
+            continue
+    return out
 
-    def __init__(self) -> None:
+
+class CpuMeter:
+    """CPU time of Ray's processes from now on, per generated token (with the client's, given).
+
+    The replica's is also split by thread: its ``compute_threads`` busiest threads are
+    llama.cpp's (the engine's scheduler thread and its OpenMP workers, busy the whole run), the
+    rest are the replica's event loops, Ray's core worker and gRPC threads: the serving stack's
+    own cost inside the replica.
+    """
+
+    def __init__(self, compute_threads: int) -> None:
+        self.compute_threads = compute_threads
         self.groups = ray_processes()
         self.before = {k: cpu_seconds(v) for k, v in self.groups.items()}
+        self.replica_threads = thread_cpu_seconds(self.groups["replica"])
 
     def per_token(self, streams: list[tuple[float, float, int]], client: str, client_s: float) -> dict[str, float]:
         generated = sum(c for _, _, c in streams)
         cpu = {k: (cpu_seconds(v) - self.before[k]) * 1e3 / generated for k, v in self.groups.items()}
+        after = thread_cpu_seconds(self.groups["replica"])
+        spent = sorted((s - self.replica_threads.get(t, 0.0) for t, s in after.items()), reverse=True)
+        cpu[f"replica: llama.cpp's {self.compute_threads} threads"] = (
+            sum(spent[: self.compute_threads]) * 1e3 / generated
+        )
+        cpu["replica: its other threads"] = sum(spent[self.compute_threads :]) * 1e3 / generated
         cpu[client] = client_s * 1e3 / generated
         return cpu
 
@@ -247,7 +274,7 @@ def stack_rates(
                 histories = [[Message(Role.USER, f"{FIXED_PROMPT} (list {i})")] for i in range(n)]
                 for s, h in zip(sessions, histories, strict=True):
                     await s.warmup(h)
-                meter = CpuMeter()
+                meter = CpuMeter(threads)
                 mine = me.cpu_times()
 
                 async def one(i: int) -> tuple[float, float, int]:
@@ -275,7 +302,7 @@ def stack_rates(
         for n in WIDTHS if typescript else ():
 
             def ts(n: int = n) -> tuple[float, dict[str, float]]:
-                meter = CpuMeter()
+                meter = CpuMeter(threads)
                 streams, client_s = ts_run(address, n, tokens)
                 return decode_rate(streams), meter.per_token(streams, "client (node)", client_s)
 
