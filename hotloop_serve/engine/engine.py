@@ -37,6 +37,7 @@ from hotloop_serve.engine.config import EngineOptions
 from hotloop_serve.engine.kv import RESTORE_MARGIN, KVManager, LlamaKVMemory, common_prefix
 from hotloop_serve.engine.model import Model
 from hotloop_serve.engine.persist import DiskStore, SessionBlob, model_fingerprint, to_kv_bytes
+from hotloop_serve.engine.prompt_tokens import PromptTokenizer
 from hotloop_serve.engine.requests import Request, RequestKind, RequestState
 from hotloop_serve.engine.sampling import Sampler
 from hotloop_serve.engine.scheduler import PREFILL_TILE, BatchPlan, Scheduler
@@ -140,6 +141,7 @@ class Engine:
             source, origin, self.model.token_text(self.model.bos), self.model.token_text(self.model.eos)
         )
         self._bos_text = self.model.token_text(self.model.bos)
+        self._prompts = PromptTokenizer(self.model, capacity=max(64, 2 * opts.hot_sessions))
         self.defaults.validate(self.max_sample_len, self.session_context, self.model.n_vocab)
 
         self.fingerprint = model_fingerprint(model_path)
@@ -212,10 +214,14 @@ class Engine:
     def alive(self) -> bool:
         return self._thread.is_alive() and not self._stopping and self._failure is None
 
-    def render(self, messages: Sequence[ChatMessage], add_generation_prompt: bool = True) -> list[int]:
-        """History -> prompt tokens (on the caller's thread)."""
+    def render(
+        self, messages: Sequence[ChatMessage], add_generation_prompt: bool = True, session: str | None = None
+    ) -> list[int]:
+        """History -> prompt tokens (on the caller's thread). With ``session``, only the text past
+        that session's previous prompt is tokenized (``PromptTokenizer``: same tokens, a turn's
+        worth of work instead of the whole history's)."""
         text = self.template.render(messages, add_generation_prompt)
-        tokens = self.model.tokenize(text, add_special=False, parse_special=True)
+        tokens = self._prompts.tokenize(text, session)
         if self.model.add_bos and self._bos_text and not text.startswith(self._bos_text):
             tokens.insert(0, self.model.bos)
         return tokens
@@ -487,7 +493,7 @@ class Engine:
             base = existing.settings if existing is not None and existing.owner == owner else self.defaults
         settings = settings or base
         self.validate(settings)
-        prompt = self.render(messages, add_generation_prompt=kind is RequestKind.GENERATE)
+        prompt = self.render(messages, add_generation_prompt=kind is RequestKind.GENERATE, session=session_id)
         prompt = self._fit(prompt, messages, settings, kind)
         with self._lock:
             self._check_alive()
@@ -765,6 +771,7 @@ class Engine:
 
     def _forget(self, s: Session, keep_on_disk: bool = False) -> None:
         self._end_session_request(s, "closed")
+        self._prompts.forget(s.id)
         if keep_on_disk and self.disk is not None:
             tokens, data = self.kv.snapshot(s, leaving=True)
             if data is not None and tokens:
