@@ -13,7 +13,9 @@ right after a special token are the tokens before the cut followed by those of t
 unless
 
 - the text of another special token spans the cut (it would win the cut): checked against
-  every special token's text, or
+  every special token's text,
+- the special token's text can overlap itself (Gemma's runs of newlines, spaces and tabs are
+  special tokens): never cut there, or
 - the special token strips the whitespace after it (``RSTRIP``) and the rest starts with
   whitespace: checked.
 
@@ -36,6 +38,10 @@ _SPECIAL = ll.LLAMA_TOKEN_ATTR_CONTROL | ll.LLAMA_TOKEN_ATTR_USER_DEFINED | ll.L
 """The tokens llama.cpp matches in raw text when it parses special tokens (its special-token cache)."""
 
 
+def _overlaps_itself(text: str) -> bool:
+    return any(text[:k] == text[-k:] for k in range(1, len(text)))
+
+
 class _Specials:
     """The vocabulary's special tokens as llama.cpp's tokenizer sees them (built once: 0.11 s for
     Gemma 3's 262,144 tokens)."""
@@ -52,6 +58,10 @@ class _Specials:
                     self.text[token] = text
                     if attr & ll.LLAMA_TOKEN_ATTR_RSTRIP:
                         self.rstrip.add(token)
+        self.cuttable = frozenset(t for t, text in self.text.items() if not _overlaps_itself(text))
+        """Tokens whose text cannot overlap another occurrence of itself (not ``\n\n``, say):
+        llama.cpp parses the first of two overlapping occurrences, the cut would be taken after
+        the last one."""
         self.texts = frozenset(self.text.values())
         self.heads = frozenset(t[:i] for t in self.texts for i in range(1, len(t)))
         """Every proper prefix of a special token's text: where one may start before a cut."""
@@ -116,6 +126,8 @@ class PromptTokenizer:
         if index is None:
             return None
         token = tokens[index]
+        if token not in specials.cuttable:
+            return None
         special = specials.text[token]
         # The last occurrence of its text is this token: a later one would have been parsed as
         # a special token too, and a longer special token holding it would come after it.
