@@ -141,7 +141,9 @@ class Engine:
             source, origin, self.model.token_text(self.model.bos), self.model.token_text(self.model.eos)
         )
         self._bos_text = self.model.token_text(self.model.bos)
-        self._prompts = PromptTokenizer(self.model, capacity=max(64, 2 * opts.hot_sessions))
+        self._prompts = PromptTokenizer(
+            self.model, capacity=max(64, 2 * opts.hot_sessions), max_tokens=self.session_context
+        )
         self.defaults.validate(self.max_sample_len, self.session_context, self.model.n_vocab)
 
         self.fingerprint = model_fingerprint(model_path)

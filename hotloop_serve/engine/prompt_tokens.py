@@ -83,12 +83,15 @@ class PromptTokenizer:
     the last prompt tokenized under the same key (a session) when the new text extends it.
 
     Thread-safe: requests are tokenized on their callers' threads. Keeps the last prompt of at
-    most ``capacity`` keys (least recently used dropped), tokens as 4-byte ints.
+    most ``capacity`` keys (least recently used dropped), tokens as 4-byte ints, and only prompts
+    of at most ``max_tokens`` (a longer one is refused or truncated by the engine anyway): a caller
+    sending huge histories cannot make it hold more than ``capacity x max_tokens`` tokens.
     """
 
-    def __init__(self, model: Model, capacity: int = 64) -> None:
+    def __init__(self, model: Model, capacity: int = 64, max_tokens: int = 1 << 20) -> None:
         self._model = model
         self._capacity = capacity
+        self._max_tokens = max_tokens
         self._enabled = ll.llama_vocab_type(model.vocab) in (ll.LLAMA_VOCAB_TYPE_SPM, ll.LLAMA_VOCAB_TYPE_BPE)
         # Built here, not on first use: a burst of follow-ups would each build it on a busy core
         # (measured: the first turn after a burst started ~0.7 s late).
@@ -107,6 +110,9 @@ class PromptTokenizer:
         if tokens is None:
             tokens = self._model.tokenize(text)
         with self._lock:
+            if len(tokens) > self._max_tokens:
+                self._last.pop(key, None)
+                return tokens
             self._last[key] = (text, array("i", tokens))
             self._last.move_to_end(key)
             while len(self._last) > self._capacity:

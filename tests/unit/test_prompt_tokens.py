@@ -104,6 +104,11 @@ def test_reuse_needs_the_same_text_up_to_the_cut(gemma_model: Path) -> None:
         prompts.tokenize(template.render(first), "c")  # capacity 2: "b" is dropped
         prompts.tokenize(template.render(follow), "b")
         assert prompts.reused_tokens == reused
+        # A prompt past max_tokens is not kept (the engine refuses or truncates it anyway).
+        small = PromptTokenizer(model, max_tokens=100)
+        small.tokenize(template.render(first), "a")
+        assert small.tokenize(template.render(follow), "a") == model.tokenize(template.render(follow))
+        assert small.reused_tokens == 0
         # Without a key nothing is kept or reused.
         assert prompts.tokenize(template.render(follow)) == model.tokenize(template.render(follow))
         assert prompts.reused_tokens == reused
