@@ -72,6 +72,13 @@ def run(
     _preflight(cfg)
     for m in cfg.models:  # assemble/check model files here, with visible progress, not in a replica
         resolve_model_path(m.path)
+    if address is None:
+        from hotloop_serve.engine.cpus import cpu_budget
+        from hotloop_serve.serve.runner import oversubscribed_cores
+
+        warning = oversubscribed_cores(cfg, cpu_budget().threads)
+        if warning:
+            err.print(f"hotloop-serve: warning: {warning}", style="yellow", markup=False)
     err.print(f"hotloop-serve: starting Ray Serve with {len(cfg.models)} model(s) ...")
     t0 = time.perf_counter()
     try:

@@ -58,7 +58,10 @@ class EngineOptions:
     shared_prefix_min_tokens: int = 16
     """Shortest common prefix worth copying from another session of the same owner."""
     threads: int = 0
-    """CPU threads for decoding; 0 = every core of the machine (or of the replica's reservation)."""
+    """CPU threads for decoding; 0 = the cores this process may use: its CPU affinity, capped by
+    its container's CPU limit (the cgroup's quota, ``engine/cpus.py``). Several replicas on one
+    machine each take all of them unless this is set (the Helm chart sets it to each model's
+    ``resources.num_cpus``)."""
     gpu_layers: int = 0
     """Layers offloaded to the GPU; -1 = all of them."""
     batch_invariant: bool = True

@@ -20,7 +20,6 @@ from __future__ import annotations
 import concurrent.futures
 import itertools
 import logging
-import os
 import random
 import threading
 import time
@@ -34,6 +33,7 @@ import numpy as np
 
 from hotloop_serve.engine.chat_template import ChatMessage, ChatTemplate, builtin_template
 from hotloop_serve.engine.config import EngineOptions
+from hotloop_serve.engine.cpus import cpu_budget
 from hotloop_serve.engine.kv import RESTORE_MARGIN, KVManager, LlamaKVMemory, common_prefix
 from hotloop_serve.engine.model import Model
 from hotloop_serve.engine.persist import DiskStore, SessionBlob, model_fingerprint, to_kv_bytes
@@ -197,7 +197,13 @@ class Engine:
         params.n_ctx = opts.context_tokens
         params.n_batch = params.n_ubatch = opts.batch_tokens
         params.n_seq_max = opts.hot_sessions
-        threads = opts.threads or len(os.sched_getaffinity(0))
+        if opts.threads:
+            threads = opts.threads
+            log.info("llama.cpp decodes with %d threads (engine.threads)", threads)
+        else:
+            budget = cpu_budget()
+            threads = budget.threads
+            log.info("llama.cpp decodes with %s", budget.describe())
         params.n_threads = params.n_threads_batch = threads
         params.kv_unified = opts.kv_layout == "unified"
         params.swa_full = opts.swa_full

@@ -15,7 +15,7 @@ from hotloop_serve.serve.app import (
 from hotloop_serve.serve.declarative import deploy
 from hotloop_serve.serve.probe import wait_until_serving
 
-__all__ = ["RAY_SERVE_ENV", "start_server", "stop_server", "wait_until_serving"]
+__all__ = ["RAY_SERVE_ENV", "oversubscribed_cores", "start_server", "stop_server", "wait_until_serving"]
 
 RAY_SERVE_ENV = {
     "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5",
@@ -46,6 +46,29 @@ The first two measured against Ray's stock values in one run of ``bench/stack.py
 in alternating runs. Set in the environment to override (``RAY_SERVE_PROXY_USE_GRPC=0``: Ray's
 actor calls); the Helm chart sets the same values (a test checks they agree).
 """
+
+
+def oversubscribed_cores(config: Config, cores: int) -> str | None:
+    """Why ``config``'s replicas would fight over this machine's ``cores``, or None.
+
+    A model whose ``engine.threads`` is 0 decodes with every core the process may use, so with
+    more than one replica on a machine (a local server: every replica is here) their llama.cpp
+    threads stall each other at every barrier: two engines at 2 threads each on 2 cores made a
+    seventh of one engine's tokens/s at 8 sessions, at 1 thread each 1.14x
+    (``bench/threads.py`` row 3). Not fixed automatically: the thread count is part of the
+    replicas' code, so deriving it from the replica count would roll every replica on a scale
+    change (``declarative.py``).
+    """
+    most = sum(m.autoscaling.max_replicas if m.autoscaling else m.replicas for m in config.models)
+    unset = [m.name for m in config.models if m.engine.threads == 0]
+    if most <= 1 or not unset:
+        return None
+    share = max(1, cores // most)
+    return (
+        f"up to {most} replicas share this machine's {cores} cores and {', '.join(unset)} decode(s) "
+        f"with all of them (engine.threads: 0): their llama.cpp threads will stall each other; "
+        f"set engine.threads to {share} (cores / replicas) for the best total throughput"
+    )
 
 
 def start_server(

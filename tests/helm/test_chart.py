@@ -623,6 +623,31 @@ def test_worker_pods_are_sized_from_the_models() -> None:
 
 
 @needs_helm
+def test_llama_threads_follow_each_models_num_cpus(tmp_path: Path) -> None:
+    """Each replica decodes with its own reservation's threads, not the whole pod's CPU limit
+    (``replicasPerPod`` replicas share one pod); a model's own ``engine.threads`` wins, 0 included."""
+    values = {
+        "hotloop": {
+            "models": [
+                {**BASE_MODEL, "name": "default-cpus"},
+                {**BASE_MODEL, "name": "three", "resources": {"num_cpus": 3}},
+                {**BASE_MODEL, "name": "fraction", "resources": {"num_cpus": 1.5}},
+                {**BASE_MODEL, "name": "half", "resources": {"num_cpus": 0.5}},
+                {**BASE_MODEL, "name": "own", "resources": {"num_cpus": 4}, "engine": {"threads": 2}},
+                {**BASE_MODEL, "name": "auto", "resources": {"num_cpus": 4}, "engine": {"threads": 0}},
+            ]
+        },
+        "workerGroups": {"cpu": {"replicasPerPod": 2}},
+    }
+    result = render_values(values, tmp_path)
+    assert result.returncode == 0, result.stderr
+    (rs,) = docs_of(tuple(d for d in yaml.safe_load_all(result.stdout) if d), "RayService")
+    raw = yaml.safe_load(rs["spec"]["serveConfigV2"])["applications"][0]["args"]["config"]
+    threads = {m.name: m.engine.threads for m in config_from_dict(raw).models}
+    assert threads == {"default-cpus": 1, "three": 3, "fraction": 1, "half": 1, "own": 2, "auto": 0}
+
+
+@needs_helm
 def test_autoscaling_turns_on_the_ray_autoscaler() -> None:
     cluster = rayservice("autoscaling-values.yaml")["spec"]["rayClusterConfig"]
     assert cluster["enableInTreeAutoscaling"] is True

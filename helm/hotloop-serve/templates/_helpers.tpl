@@ -351,6 +351,15 @@ Container resources of a worker group: the group's own `resources`, or sized fro
 {{- $_ := set $e "persist_dir" $dir -}}
 {{- $_ := set $m "engine" $e -}}
 {{- end -}}
+{{- $e := $m.engine | default dict -}}
+{{- if not (hasKey $e "threads") -}}
+{{- /* llama.cpp decodes with the replica's num_cpus threads (a pod may hold several replicas;
+       each would otherwise take every core of the pod's CPU limit: engine/cpus.py) */ -}}
+{{- $ncpu := 1.0 -}}
+{{- if hasKey ($m.resources | default dict) "num_cpus" -}}{{- $ncpu = float64 $m.resources.num_cpus -}}{{- end -}}
+{{- $_ := set $e "threads" (max 1 (floor $ncpu | int)) -}}
+{{- $_ := set $m "engine" $e -}}
+{{- end -}}
 {{- $models = append $models $m -}}
 {{- end -}}
 {{- $_ := set $cfg "models" $models -}}
