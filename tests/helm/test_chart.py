@@ -618,8 +618,39 @@ def test_worker_pods_are_sized_from_the_models() -> None:
     rs = rayservice("url-values.yaml")
     (group,) = rs["spec"]["rayClusterConfig"]["workerGroupSpecs"]
     resources = group["template"]["spec"]["containers"][0]["resources"]
-    # 2 replicas per pod x (2 CPUs, 1.5 GiB) + 1 GiB overhead, over the ~70% Ray leaves to tasks
-    assert resources["requests"] == resources["limits"] == {"cpu": "4", "memory": "5852Mi"}
+    # 2 replicas per pod x (2 CPUs, 1.5 GiB) + 1 GiB overhead, over the ~70% Ray leaves to tasks;
+    # the CPU has half a core more for Ray's own processes, which Ray does not schedule on
+    assert resources["requests"] == resources["limits"] == {"cpu": "4500m", "memory": "5852Mi"}
+    assert group["rayStartParams"] == {"num-cpus": "4"}
+
+
+@needs_helm
+def test_rays_own_processes_get_cpu_beyond_the_replicas_cores(tmp_path: Path) -> None:
+    """``sizing.podCpuOverhead`` is pod quota that Ray never hands to a replica: Ray's
+    ``num-cpus`` stays the replicas' cores (rounded up, as KubeRay rounds a limit), an explicit
+    ``num-cpus`` or explicit ``resources`` are the user's, and 0 turns the overhead off."""
+
+    def worker(values: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+        result = render_values(values, tmp_path)
+        assert result.returncode == 0, result.stderr
+        (rs,) = docs_of(tuple(d for d in yaml.safe_load_all(result.stdout) if d), "RayService")
+        (group,) = rs["spec"]["rayClusterConfig"]["workerGroupSpecs"]
+        return group["rayStartParams"], group["template"]["spec"]["containers"][0]["resources"]["limits"]
+
+    fraction = {"hotloop": {"models": [{**BASE_MODEL, "resources": {"num_cpus": 1.5}}]}}
+    params, limits = worker(fraction)
+    assert (params, limits["cpu"]) == ({"num-cpus": "2"}, "2")
+    params, limits = worker({**fraction, "sizing": {"podCpuOverhead": 0}})
+    assert (params, limits["cpu"]) == ({"num-cpus": "2"}, "1500m")
+    params, limits = worker({**fraction, "sizing": {"podCpuOverhead": "1"}})
+    assert (params, limits["cpu"]) == ({"num-cpus": "2"}, "2500m")
+    own = {"cpu": {"rayStartParams": {"num-cpus": 3, "block": True}}}
+    params, limits = worker({**fraction, "workerGroups": own})
+    assert (params, limits["cpu"]) == ({"num-cpus": "3", "block": "true"}, "2")
+    sized = {"requests": {"cpu": "2", "memory": "4Gi"}, "limits": {"cpu": "3", "memory": "4Gi"}}
+    explicit = {"cpu": {"resources": sized}}
+    params, limits = worker({**fraction, "workerGroups": explicit})
+    assert (params, limits["cpu"]) == ({}, "3")
 
 
 @needs_helm

@@ -138,6 +138,18 @@ none does); a group without GPUs hosts the models that need none.
 {{- end -}}
 
 {{/*
+The cores a sized worker group's replicas reserve from Ray: replicasPerPod x the largest
+num_cpus of its models, at least 1.
+*/}}
+{{- define "hotloop-serve.groupCores" -}}
+{{- $cpu := 0.0 -}}
+{{- range $n := include "hotloop-serve.groupModels" . | fromJsonArray -}}
+{{- $cpu = maxf $cpu (float64 $n.cpu) -}}
+{{- end -}}
+{{- maxf 1.0 (mulf (int (.group.replicasPerPod | default 1)) $cpu) -}}
+{{- end -}}
+
+{{/*
 Container resources of a worker group: the group's own `resources`, or sized from its models
 (see `sizing` in values.yaml). nvidia.com/gpu comes from `gpus` either way.
 */}}
@@ -155,10 +167,8 @@ Container resources of a worker group: the group's own `resources`, or sized fro
 {{- else -}}
 {{- $models := include "hotloop-serve.groupModels" . | fromJsonArray -}}
 {{- $slots := int ($g.replicasPerPod | default 1) -}}
-{{- $cpu := 0.0 -}}
 {{- $mem := 0 -}}
 {{- range $n := $models -}}
-{{- $cpu = maxf $cpu (float64 $n.cpu) -}}
 {{- $mem = max $mem (int64 $n.mem) -}}
 {{- end -}}
 {{- if eq (int64 $mem) 0 -}}
@@ -167,8 +177,9 @@ Container resources of a worker group: the group's own `resources`, or sized fro
 {{- $overhead := include "hotloop-serve.bytes" $root.Values.sizing.podOverhead | int64 -}}
 {{- $podBytes := divf (add (mul $slots $mem) $overhead) 0.7 -}}
 {{- $mi := divf $podBytes 1048576.0 | ceil | int64 -}}
-{{- $cores := maxf 1.0 (mulf $slots $cpu) -}}
-{{- $q := dict "cpu" (include "hotloop-serve.cpuQuantity" $cores) "memory" (printf "%dMi" $mi) -}}
+{{- $cores := include "hotloop-serve.groupCores" . | float64 -}}
+{{- $podCores := addf $cores (include "hotloop-serve.cpus" ($root.Values.sizing.podCpuOverhead | default 0) | float64) -}}
+{{- $q := dict "cpu" (include "hotloop-serve.cpuQuantity" $podCores) "memory" (printf "%dMi" $mi) -}}
 {{- $_ := set $res "requests" (deepCopy $q) -}}
 {{- $_ := set $res "limits" (deepCopy $q) -}}
 {{- end -}}
@@ -186,6 +197,9 @@ Container resources of a worker group: the group's own `resources`, or sized fro
 {{- $req := $res.requests | default dict -}}
 {{- $lim := $res.limits | default dict -}}
 {{- $cpu := include "hotloop-serve.cpus" ($lim.cpu | default $req.cpu | default 0) | float64 -}}
+{{- with .params -}}{{- if hasKey . "num-cpus" -}}
+{{- $cpu = float64 (get . "num-cpus") -}}
+{{- end -}}{{- end -}}
 {{- $memQ := $lim.memory | default $req.memory | default 0 -}}
 {{- $mem := include "hotloop-serve.bytes" $memQ | float64 -}}
 {{- $gpu := get $lim "nvidia.com/gpu" | default 0 | float64 -}}
@@ -200,7 +214,14 @@ Container resources of a worker group: the group's own `resources`, or sized fro
 {{- $g := get $root.Values.workerGroups $name -}}
 {{- if ne (toString $g.enabled) "false" -}}
 {{- $res := include "hotloop-serve.groupResources" (dict "root" $root "group" $g "name" $name) | fromJson -}}
-{{- $out = append $out (dict "name" $name "group" $g "resources" $res) -}}
+{{- $params := deepCopy ($g.rayStartParams | default dict) -}}
+{{- if and (not $g.resources) (not (hasKey $params "num-cpus")) -}}
+{{- /* The pod's CPU includes sizing.podCpuOverhead for Ray's own processes: Ray schedules
+replicas on the models' cores only (what KubeRay would derive from the limit before it). */ -}}
+{{- $cores := include "hotloop-serve.groupCores" (dict "root" $root "group" $g "name" $name) | float64 -}}
+{{- $_ := set $params "num-cpus" (ceil $cores | int64 | toString) -}}
+{{- end -}}
+{{- $out = append $out (dict "name" $name "group" $g "resources" $res "params" $params) -}}
 {{- end -}}
 {{- end -}}
 {{- toJson $out -}}
@@ -288,7 +309,7 @@ Container resources of a worker group: the group's own `resources`, or sized fro
 {{- /* every model must fit one pod that runs replicas */ -}}
 {{- $pods := list -}}
 {{- range $w := include "hotloop-serve.workerGroups" . | fromJsonArray -}}
-{{- $pods = append $pods (dict "name" (printf "workerGroups.%s" $w.name) "cap" (include "hotloop-serve.podCapacity" (dict "resources" $w.resources) | fromJson)) -}}
+{{- $pods = append $pods (dict "name" (printf "workerGroups.%s" $w.name) "cap" (include "hotloop-serve.podCapacity" (dict "resources" $w.resources "params" $w.params) | fromJson)) -}}
 {{- end -}}
 {{- if .Values.head.runReplicas -}}
 {{- $pods = append $pods (dict "name" "head" "cap" (include "hotloop-serve.podCapacity" (dict "resources" .Values.head.resources) | fromJson)) -}}
