@@ -65,9 +65,9 @@ def oversubscribed_cores(config: Config, cores: int) -> str | None:
         return None
     share = max(1, cores // most)
     return (
-        f"up to {most} replicas share this machine's {cores} cores and {', '.join(unset)} decode(s) "
-        f"with all of them (engine.threads: 0): their llama.cpp threads will stall each other; "
-        f"set engine.threads to {share} (cores / replicas) for the best total throughput"
+        f"up to {most} replicas share this machine's {cores} cores, and each replica of "
+        f"{', '.join(unset)} decodes with all of them (engine.threads: 0): their llama.cpp threads "
+        f"will stall each other; set engine.threads to {share} (cores / replicas) for the best total throughput"
     )
 
 

@@ -112,7 +112,7 @@ def _config(*models: dict[str, object]) -> Config:
 def test_a_local_server_warns_when_its_replicas_would_share_every_core() -> None:
     two = _config({"name": "a", "replicas": 2})
     warning = oversubscribed_cores(two, cores=8)
-    assert warning is not None and "set engine.threads to 4" in warning and "a decode(s)" in warning
+    assert warning is not None and "set engine.threads to 4" in warning and "each replica of a decodes" in warning
     scaling = _config({"name": "a"}, {"name": "b", "autoscaling": {"min_replicas": 1, "max_replicas": 3}})
     assert "set engine.threads to 2" in (oversubscribed_cores(scaling, cores=8) or "")
     assert "set engine.threads to 1" in (oversubscribed_cores(two, cores=1) or "")
