@@ -20,6 +20,16 @@ def _write(path: Path, text: str) -> None:
     path.write_text(text)
 
 
+def _hierarchy(tmp_path: Path, proc_cgroup: str, files: dict[str, str]) -> tuple[Path, Path]:
+    """A fake cgroup mount under ``tmp_path/cg`` holding ``files``, and a /proc/self/cgroup."""
+    proc = tmp_path / "proc_cgroup"
+    proc.write_text(proc_cgroup)
+    root = tmp_path / "cg"
+    for name, text in files.items():
+        _write(root / name, text)
+    return root, proc
+
+
 @pytest.mark.parametrize(
     ("affinity", "quota", "threads"),
     [(8, None, 8), (8, 2.0, 2), (8, 2.5, 2), (8, 0.5, 1), (2, 4.0, 2), (1, None, 1)],
@@ -34,36 +44,39 @@ def test_threads_are_the_affinity_capped_by_the_quotas_whole_cores(
 
 def test_cgroup_v2_the_tightest_limit_on_the_way_to_the_root(tmp_path: Path) -> None:
     """A Kubernetes pod's limit sits on the pod's cgroup, above the container's own."""
-    proc = tmp_path / "proc_cgroup"
-    proc.write_text("0::/kubepods/pod1/ctr\n")
-    root = tmp_path / "cg"
-    _write(root / "cpu.max", "max 100000\n")
-    _write(root / "kubepods/cpu.max", "max 100000\n")
-    _write(root / "kubepods/pod1/cpu.max", "200000 100000\n")
-    _write(root / "kubepods/pod1/ctr/cpu.max", "max 100000\n")
+    root, proc = _hierarchy(
+        tmp_path,
+        "0::/kubepods/pod1/ctr\n",
+        {
+            "cpu.max": "max 100000\n",
+            "kubepods/cpu.max": "max 100000\n",
+            "kubepods/pod1/cpu.max": "200000 100000\n",
+            "kubepods/pod1/ctr/cpu.max": "max 100000\n",
+        },
+    )
     budget = cpu_budget(root, proc)
     assert budget.quota == 2.0
     assert budget.threads == min(2, budget.affinity)
 
 
 def test_cgroup_v2_namespace_root_and_no_limit(tmp_path: Path) -> None:
-    proc = tmp_path / "proc_cgroup"
-    proc.write_text("0::/\n")
-    root = tmp_path / "cg"
-    _write(root / "cpu.max", "150000 100000\n")
+    root, proc = _hierarchy(tmp_path, "0::/\n", {"cpu.max": "150000 100000\n"})
     assert cpu_budget(root, proc).quota == 1.5
     _write(root / "cpu.max", "max 100000\n")
     assert cpu_budget(root, proc).quota is None
 
 
 def test_cgroup_v1_cpu_controller(tmp_path: Path) -> None:
-    proc = tmp_path / "proc_cgroup"
-    proc.write_text("5:memory:/docker/abc\n4:cpu,cpuacct:/docker/abc\n0::/\n")
-    root = tmp_path / "cg"
-    _write(root / "cpu,cpuacct/cpu.cfs_quota_us", "-1\n")
-    _write(root / "cpu,cpuacct/cpu.cfs_period_us", "100000\n")
-    _write(root / "cpu,cpuacct/docker/abc/cpu.cfs_quota_us", "300000\n")
-    _write(root / "cpu,cpuacct/docker/abc/cpu.cfs_period_us", "100000\n")
+    root, proc = _hierarchy(
+        tmp_path,
+        "5:memory:/docker/abc\n4:cpu,cpuacct:/docker/abc\n0::/\n",
+        {
+            "cpu,cpuacct/cpu.cfs_quota_us": "-1\n",
+            "cpu,cpuacct/cpu.cfs_period_us": "100000\n",
+            "cpu,cpuacct/docker/abc/cpu.cfs_quota_us": "300000\n",
+            "cpu,cpuacct/docker/abc/cpu.cfs_period_us": "100000\n",
+        },
+    )
     assert cpu_budget(root, proc).quota == 3.0
     _write(root / "cpu,cpuacct/docker/abc/cpu.cfs_quota_us", "-1\n")
     assert cpu_budget(root, proc).quota is None
