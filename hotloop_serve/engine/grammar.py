@@ -248,6 +248,13 @@ class GrammarProbe:
         self._ready = False
         self.counters = {"checks": 0, "refused": 0, "child_restarts": 0}
 
+    def start(self) -> None:
+        """Start the child now, in the background (it loads the vocabulary meanwhile), so that the
+        first grammar a replica sees is not also the one that waits for that."""
+        with self._lock:
+            if self._child is None:
+                self._spawn()
+
     def check(self, grammar: str, field: str = "grammar") -> None:
         """Return if llama.cpp builds and samples ``grammar`` within the bounds; InvalidArgument
         naming ``field`` (or RESOURCE_EXHAUSTED while the child is busy past :data:`PROBE_QUEUE_S`)

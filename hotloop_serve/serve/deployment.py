@@ -106,6 +106,7 @@ class ModelReplica(ModelServicer):
             sessions_per_owner=mcfg.limits.sessions_per_principal,
             max_sample_len=mcfg.limits.max_sample_len,
             blob_keys=BlobKeys.derived(export_secrets(cfg.auth, session_secret)),
+            prestart_grammar_probe=True,
         )
         ctx = serve.get_replica_context()
         self._app, self._deployment = ctx.app_name, ctx.deployment
