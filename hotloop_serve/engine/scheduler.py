@@ -16,8 +16,8 @@ Rules, in order of precedence:
 - **Batch** (:func:`plan_batch`): every decoding request gets exactly one token; prefill
   takes what is left, short prompts first and in full (a hot follow-up never waits behind a
   long cold prompt), long prompts in equal shares (a burst of new chats finishes prefilling
-  together, so its sessions decode in the same wide steps instead of drifting apart: on the
-  chat workload that is most of the distance to the machine's roofline), at most
+  together, so its sessions decode in the same wide steps instead of drifting apart: one wide
+  step costs little more than a narrow one, so steps shared are throughput gained), at most
   ``prefill_chunk`` tokens per prompt and per step whenever another request shares the engine
   (so a step stays short for whoever waits on it). A prompt alone takes the whole batch.
   While some requests are decoding, the prefill of a step is paced (:class:`PrefillPacer`):
@@ -78,8 +78,9 @@ class PrefillPacer:
     learnt from steps without prefill, ``per_token_s`` from steps with enough prefill to
     dominate (both as moving averages, so a change of load or context length is followed
     within a few steps). Without estimates yet, or with ``step_target_ms`` 0, the fixed
-    ``prefill_chunk`` applies. Why time, not tokens: the same token count is 10 ms on a GPU
-    and 400 ms on two CPU cores, and what a decoding user feels is the time between tokens.
+    ``prefill_chunk`` applies. Why time, not tokens: the same token count costs a GPU a small
+    fraction of what it costs two CPU cores, and what a decoding user feels is the time between
+    tokens.
     """
 
     MIN_TOKENS = 16  # a prompt always advances, even when decoding alone fills the target
@@ -175,11 +176,9 @@ def plan_batch(
 PREFILL_TILE = 64
 """Query rows per tile of llama.cpp's CPU flash attention (ggml-cpu's ``GGML_FA_TILE_Q``; its KV
 tiles are 64 cells). A tile skips a KV tile only when it is masked for all of the tile's rows, so
-a tile holding rows of two prompts computes every KV tile either of them attends to. Long
-prompts therefore get whole tiles of a step, and the engine lays a step's whole-tile pieces out
-first (``Engine._run_batch``): 8 prompts with 1,024 cells of history each, a 512-row step of pieces of
-64 rows took 1.29-1.35 s against 1.52-1.56 s for pieces of 67-69 (``bench/engine.py
---tiles-only``)."""
+a tile holding rows of two prompts computes every KV tile either of them attends to: the work of
+both. Long prompts therefore get whole tiles of a step, and the runner lays a step's whole-tile
+pieces out first (``runner._laid_out``); ``bench/engine.py --tiles-only`` measures the gain."""
 
 
 def _share_long_prompts(needs: list[tuple[int, int]], budget: int, cap: int) -> list[tuple[int, int]]:
@@ -189,7 +188,7 @@ def _share_long_prompts(needs: list[tuple[int, int]], budget: int, cap: int) -> 
     newcomer); the rest goes to whoever has the most left, levelling them. Prompts that arrived
     together, of different lengths, so finish in the same step: had the shortest finished
     first, its session would decode alone while the others' prompts were paced beside it, a
-    few tokens a step (bench/results/peer_policy.md: a burst of new chats then took ~17% longer).
+    few tokens a step, and the whole burst would reach its first tokens later.
 
     Where the budget does not finish them all, each share is then cut to whole
     :data:`PREFILL_TILE` rows and the rows cut are handed back, in whole tiles first, to the
