@@ -41,6 +41,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from harness import percentile
+
 from hotloop_serve.engine import ChatMessage, Engine, EngineOptions, SamplingSettings
 from hotloop_serve.serve.model_source import embedded_model_path
 
@@ -450,8 +452,8 @@ def gaps_while_others_prefill(path: Path, threads: int, target_ms: float, newcom
     during = [b - a for a, b in itertools.pairwise(stamps) if a >= t0 and b <= t1]
     ttfts = [r.timings.time_to_first_token_ms for r in results if r.timings]
     prompt = results[0].usage.prompt_tokens if results[0].usage else 0
-    q = statistics.quantiles(during, n=100) if len(during) > 1 else [0.0] * 99
-    return {"p50": q[49] * 1e3, "p99": q[98] * 1e3, "ttft": statistics.fmean(ttfts), "prompt": prompt}
+    p50, p99 = percentile(during, 50) or 0.0, percentile(during, 99) or 0.0
+    return {"p50": p50 * 1e3, "p99": p99 * 1e3, "ttft": statistics.fmean(ttfts), "prompt": prompt}
 
 
 def pacing(path: Path, threads: int) -> list[dict[str, Any]]:
