@@ -588,7 +588,7 @@ class Engine:
                 if plan.new_tokens:
                     self._step(plan)
                 self._publish()
-                if not plan.new_tokens and self.scheduler.has_work:
+                if not plan.new_tokens and self.scheduler.waiting_count:
                     # Nothing runnable (waiting on busy sessions): sleep until something changes.
                     with self._lock:
                         if not (self._inbox or self._commands or self._stopping):
@@ -643,8 +643,8 @@ class Engine:
         with self._lock:
             while expected and not (self._stopping or self._commands):
                 now = time.perf_counter()
-                arrived = {r.session for r in self._inbox}
-                for s in [s for s, until in expected.items() if s in arrived or s.closed or until <= now]:
+                arrived = {r.session for r in self._inbox}  # submitted, not yet taken by the scheduler
+                for s in [s for s, until in expected.items() if s.pending or s in arrived or s.closed or until <= now]:
                     del expected[s]
                 if expected:
                     self._wakeup.wait(timeout=min(expected.values()) - now)
