@@ -21,7 +21,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from harness import RESULTS, HotloopServer, SystemResult, run_system
+from harness import RESULTS, HotloopServer, SystemResult, percentile, run_system
 from workload import WorkloadSpec, build_workload, describe
 
 
@@ -37,24 +37,21 @@ class RoutedServer(HotloopServer):
 def figures(result: SystemResult) -> dict[str, Any]:
     ok = [r for r in result.turns if r.error is None and r.ttft_s is not None]
     follow = sorted(r.ttft_s for r in ok if r.turn >= 2 and r.ttft_s is not None)
-    owners = {r.session: r.replica for r in ok if r.turn == 1}
-    stuck = [r for r in ok if r.turn >= 2 and r.replica == owners.get(r.session)]
-    hits = [r for r in ok if r.turn >= 2 and (r.cached_tokens or 0) > 0]
+    owners = {r.session: r.reply.replica for r in ok if r.turn == 1}
+    stuck = [r for r in ok if r.turn >= 2 and r.reply.replica == owners.get(r.session)]
+    hits = [r for r in ok if r.turn >= 2 and (r.reply.cached_tokens or 0) > 0]
     n_follow = sum(1 for r in ok if r.turn >= 2)
-    prompt = sum(r.prompt_tokens or 0 for r in ok if r.turn >= 2)
-    cached = sum(r.cached_tokens or 0 for r in ok if r.turn >= 2)
-
-    def pct(q: float) -> float | None:
-        return follow[min(len(follow) - 1, int(q * len(follow)))] if follow else None
+    prompt = sum(r.reply.prompt_tokens or 0 for r in ok if r.turn >= 2)
+    cached = sum(r.reply.cached_tokens or 0 for r in ok if r.turn >= 2)
 
     return {
         "system": result.label,
-        "followup_ttft_median_s": pct(0.5),
-        "followup_ttft_p90_s": pct(0.9),
+        "followup_ttft_median_s": percentile(follow, 50),
+        "followup_ttft_p90_s": percentile(follow, 90),
         "followups_on_owner": len(stuck) / n_follow if n_follow else None,
         "followups_cache_hit": len(hits) / n_follow if n_follow else None,
         "followup_prompt_tokens_cached": cached / prompt if prompt else None,
-        "aggregate_tok_s": sum(r.tokens for r in ok) / result.wall_s if result.wall_s else None,
+        "aggregate_tok_s": sum(r.reply.tokens for r in ok) / result.wall_s if result.wall_s else None,
         "wall_s": result.wall_s,
         "errors": sum(1 for r in result.turns if r.error is not None),
     }

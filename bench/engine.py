@@ -41,6 +41,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from harness import percentile
+
 from hotloop_serve.engine import ChatMessage, Engine, EngineOptions, SamplingSettings
 from hotloop_serve.serve.model_source import embedded_model_path
 
@@ -261,8 +263,7 @@ def prefill_tiles(path: Path, threads: int, history: int = 1024, repeats: int = 
 def burst_by_tiles(path: Path, threads: int, prompts: int = 5, rounds: int = 2) -> list[dict[str, Any]]:
     """Row 0f: ``prompts`` first turns at once on a fresh engine, prompt tokens/s until the last
     one's first token, with the scheduler's whole-tile pieces and without (the baseline)."""
-    from hotloop_serve.engine import engine as engine_module
-    from hotloop_serve.engine import scheduler
+    from hotloop_serve.engine import runner, scheduler
 
     tile = scheduler.PREFILL_TILE
     greedy = SamplingSettings(temperature=0, sample_len=1)
@@ -271,14 +272,14 @@ def burst_by_tiles(path: Path, threads: int, prompts: int = 5, rounds: int = 2) 
     rates: dict[int, list[float]] = {1: [], tile: []}
     try:
         for _, size in itertools.product(range(rounds), (1, tile)):
-            engine_module.PREFILL_TILE = scheduler.PREFILL_TILE = size
+            runner.PREFILL_TILE = scheduler.PREFILL_TILE = size
             with Engine(str(path), EngineOptions(threads=threads, context_tokens=32768)) as engine:
                 t0 = time.perf_counter()
                 streams = [engine.generate(f"b{i}", f"p{i}", h, greedy) for i, h in enumerate(histories)]
                 done = [st.result() for st in streams]
                 rates[size].append(sum(r.usage.prefilled_tokens for r in done if r.usage) / (time.perf_counter() - t0))
     finally:
-        engine_module.PREFILL_TILE = scheduler.PREFILL_TILE = tile
+        runner.PREFILL_TILE = scheduler.PREFILL_TILE = tile
     base, tiled = max(rates[1]), max(rates[tile])
     return [
         row(f"0f. engine, {prompts} first turns at once, pieces as before", base, "tok/s"),
@@ -451,8 +452,8 @@ def gaps_while_others_prefill(path: Path, threads: int, target_ms: float, newcom
     during = [b - a for a, b in itertools.pairwise(stamps) if a >= t0 and b <= t1]
     ttfts = [r.timings.time_to_first_token_ms for r in results if r.timings]
     prompt = results[0].usage.prompt_tokens if results[0].usage else 0
-    q = statistics.quantiles(during, n=100) if len(during) > 1 else [0.0] * 99
-    return {"p50": q[49] * 1e3, "p99": q[98] * 1e3, "ttft": statistics.fmean(ttfts), "prompt": prompt}
+    p50, p99 = percentile(during, 50) or 0.0, percentile(during, 99) or 0.0
+    return {"p50": p50 * 1e3, "p99": p99 * 1e3, "ttft": statistics.fmean(ttfts), "prompt": prompt}
 
 
 def pacing(path: Path, threads: int) -> list[dict[str, Any]]:

@@ -57,8 +57,26 @@ killed: other people's jobs share this machine, and an OOM kill would hit them t
 
 
 @dataclass
+class Reply:
+    """What a backend reports once a streamed reply has ended (hotloop fields are None elsewhere)."""
+
+    tokens: int = 0
+    finish: str = ""
+    prompt_tokens: int | None = None
+    cached_tokens: int | None = None
+    """hotloop only: prompt tokens reused from the session's hot cache."""
+    prefilled_tokens: int | None = None
+    replica: str | None = None
+    queue_ms: float | None = None
+    prefill_ms: float | None = None
+    decode_ms: float | None = None
+    """hotloop only: the server's own timings of this request."""
+
+
+@dataclass
 class TurnRecord:
-    """One request as the client saw it. Times are seconds from the start of the run."""
+    """One request as the client saw it (times are seconds from the start of the run) and what
+    the backend reported of it (``reply``)."""
 
     session: int
     turn: int
@@ -69,34 +87,9 @@ class TurnRecord:
     """First -> last non-empty text delta."""
     end_s: float | None = None
     """Stream finished (the server may still do work after the last token, e.g. cache saves)."""
-    tokens: int = 0
-    finish: str = ""
-    prompt_tokens: int | None = None
-    cached_tokens: int | None = None
-    """hotloop only: prompt tokens reused from the session's hot cache."""
-    prefilled_tokens: int | None = None
-    replica: str | None = None
-    server_queue_ms: float | None = None
-    server_prefill_ms: float | None = None
-    server_decode_ms: float | None = None
-    """hotloop only: the server's own timings of this request."""
+    reply: Reply = field(default_factory=Reply)
     error: str | None = None
     text: str = field(default="", repr=False)
-
-
-@dataclass
-class Reply:
-    """What a backend reports once a streamed reply has ended."""
-
-    tokens: int = 0
-    finish: str = ""
-    prompt_tokens: int | None = None
-    cached_tokens: int | None = None
-    prefilled_tokens: int | None = None
-    replica: str | None = None
-    queue_ms: float | None = None
-    prefill_ms: float | None = None
-    decode_ms: float | None = None
 
 
 class Conversation(Protocol):
@@ -538,12 +531,7 @@ def run_session(
         if first is not None and last is not None:
             rec.ttft_s = first - rec.start_s
             rec.decode_s = last - first
-        reply = conv.last
-        rec.tokens, rec.finish = reply.tokens, reply.finish
-        rec.prompt_tokens, rec.cached_tokens = reply.prompt_tokens, reply.cached_tokens
-        rec.prefilled_tokens, rec.replica = reply.prefilled_tokens, reply.replica
-        rec.server_queue_ms, rec.server_prefill_ms = reply.queue_ms, reply.prefill_ms
-        rec.server_decode_ms = reply.decode_ms
+        rec.reply = conv.last
         with lock:
             records.append(rec)
         if rec.error is not None:
@@ -669,7 +657,8 @@ def run_system(
 
 
 def percentile(values: Sequence[float], q: float) -> float | None:
-    """Linear-interpolated percentile (q in [0, 100]); None for no values."""
+    """Linear-interpolated percentile (q in [0, 100]; 50 is the median); None for no values.
+    The one definition every bench's p50/p90/p99 uses, so figures of two benches compare."""
     if not values:
         return None
     xs = sorted(values)
@@ -683,17 +672,17 @@ def summarize(result: SystemResult, spec: WorkloadSpec) -> dict[str, Any]:
     ok = [r for r in result.turns if r.error is None and r.ttft_s is not None]
     first = [r.ttft_s for r in ok if r.turn == 1 and r.ttft_s is not None]
     follow = [r.ttft_s for r in ok if r.turn >= 2 and r.ttft_s is not None]
-    tokens = sum(r.tokens for r in ok)
+    tokens = sum(r.reply.tokens for r in ok)
     per_session: list[float] = []
     for s in sorted({r.session for r in ok}):
         mine = [r for r in ok if r.session == s]
         decode = sum(r.decode_s or 0.0 for r in mine)
-        after_first = sum(max(0, r.tokens - 1) for r in mine)
+        after_first = sum(max(0, r.reply.tokens - 1) for r in mine)
         if decode > 0:
             per_session.append(after_first / decode)
-    follow_ok = [r for r in ok if r.turn >= 2 and r.prompt_tokens]
+    follow_ok = [r for r in ok if r.turn >= 2 and r.reply.prompt_tokens]
     cached_share = (
-        sum(r.cached_tokens or 0 for r in follow_ok) / sum(r.prompt_tokens or 0 for r in follow_ok)
+        sum(r.reply.cached_tokens or 0 for r in follow_ok) / sum(r.reply.prompt_tokens or 0 for r in follow_ok)
         if follow_ok
         else None
     )
@@ -714,7 +703,7 @@ def summarize(result: SystemResult, spec: WorkloadSpec) -> dict[str, Any]:
         "other_jobs_cores": result.other_cpu_s / result.wall_s if result.wall_s > 0 else None,
         "server_cores": result.server_cpu_s / result.wall_s if result.wall_s > 0 else None,
         "followup_cached_prompt_share": cached_share,
-        "replicas_seen": sorted({r.replica for r in ok if r.replica}),
+        "replicas_seen": sorted({r.reply.replica for r in ok if r.reply.replica}),
     }
 
 

@@ -324,9 +324,9 @@ def decode_context(results: list[SystemResult]) -> int:
     tokens = weighted = 0
     for r in results:
         for t in r.turns:
-            if r.key in ("b", "c", "s") and t.error is None and t.prompt_tokens is not None:
-                tokens += t.tokens
-                weighted += t.tokens * (t.prompt_tokens + t.tokens // 2)
+            if r.key in ("b", "c", "s") and t.error is None and t.reply.prompt_tokens is not None:
+                tokens += t.reply.tokens
+                weighted += t.reply.tokens * (t.reply.prompt_tokens + t.reply.tokens // 2)
     return weighted // tokens if tokens else 0
 
 
@@ -359,10 +359,10 @@ def roofline(
     ]
     for r in results:
         records = [t for t in r.turns if t.error is None]
-        if r.key not in ("b", "c", "s") or not records or any(t.prefilled_tokens is None for t in records):
+        if r.key not in ("b", "c", "s") or not records or any(t.reply.prefilled_tokens is None for t in records):
             continue
-        prefill = sum(t.prefilled_tokens or 0 for t in records)
-        decode = sum(t.tokens for t in records)
+        prefill = sum(t.reply.prefilled_tokens or 0 for t in records)
+        decode = sum(t.reply.tokens for t in records)
         ideal = prefill / prefill_tok_s + decode / decode_tok_s
         r.summary["roofline_s"] = ideal
         r.summary["roofline_ratio"] = ideal / r.wall_s if r.wall_s else None

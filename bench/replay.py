@@ -3,7 +3,7 @@
 Why: ``peer.py`` measures the whole service; this isolates the engine's scheduling. The same
 8 sessions x 4 turns (``workload.py``) run as threads against one ``Engine`` (no Ray, no
 gRPC), once per ``EngineOptions.prefill_policy`` and ``followup_wait_ms`` given, alternating, so
-each variant has its same-run baseline. Every ``llama_decode`` step is logged: where the time went by how many
+each variant has its same-run baseline. Every step the runner executes is logged: where the time went by how many
 sessions decoded in the step (a step with 8 decoding rows is the machine's best decode rate;
 with 1-3 most of its cost is paid for little), and the roofline the run's totals allow.
 
@@ -22,20 +22,41 @@ import statistics
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from engine import primitive_isolated, primitive_prefill_isolated
-from harness import RESULTS, machine_facts
+from harness import RESULTS, machine_facts, percentile
 from workload import SessionScript, WorkloadSpec, build_workload
 
 from hotloop_serve.engine.chat_template import ChatMessage
 from hotloop_serve.engine.config import EngineOptions
 from hotloop_serve.engine.engine import Engine
-from hotloop_serve.engine.scheduler import BatchPlan
+from hotloop_serve.engine.model import Model
+from hotloop_serve.engine.runner import ModelRunner, StepOutput
+from hotloop_serve.engine.scheduler import Piece
 from hotloop_serve.engine.settings import SamplingSettings
 from hotloop_serve.serve.model_source import embedded_model_path
+
+
+class TimedRunner(ModelRunner):
+    """The engine's runner, each step logged: (start since ``t0``, decode rows, prefill tokens,
+    seconds of the step's ``llama_decode`` calls and logits read-back)."""
+
+    def __init__(self, model: Model, opts: EngineOptions) -> None:
+        super().__init__(model, opts)
+        self.t0 = time.perf_counter()
+        self.steps: list[tuple[float, int, int, float]] = []
+
+    def execute(self, pieces: Sequence[Piece]) -> StepOutput:
+        start = time.perf_counter()
+        out = super().execute(pieces)
+        decode = sum(1 for p in pieces if p.decoding)
+        prefill = sum(len(p.tokens) for p in pieces) - decode
+        self.steps.append((start - self.t0, decode, prefill, time.perf_counter() - start))
+        return out
 
 
 def replay(model: Path, policy: str, followup_wait_ms: float, spec: WorkloadSpec, threads: int) -> dict[str, Any]:
@@ -49,17 +70,10 @@ def replay(model: Path, policy: str, followup_wait_ms: float, spec: WorkloadSpec
         prefill_policy=policy,
         followup_wait_ms=followup_wait_ms,
     )  # as peer.py's hotloop system
-    engine = Engine(str(model), opts)
-    steps: list[tuple[float, int, int, float]] = []
-    t0 = time.perf_counter()
-    run_step = engine._step
-
-    def logged(plan: BatchPlan) -> None:  # the scheduler thread's steps, timed
-        start = time.perf_counter()
-        run_step(plan)
-        steps.append((start - t0, len(plan.decode), sum(n for _, n in plan.prefill), time.perf_counter() - start))
-
-    engine._step = logged  # type: ignore[method-assign]
+    engine = Engine(str(model), opts, runner=TimedRunner)
+    runner = engine.runner
+    assert isinstance(runner, TimedRunner)
+    steps = runner.steps
     turns: list[dict[str, Any]] = []
     lock = threading.Lock()
 
@@ -94,7 +108,7 @@ def replay(model: Path, policy: str, followup_wait_ms: float, spec: WorkloadSpec
         engine.generate("warm", "bench", [ChatMessage("user", "Hello")]).result()
         engine.close_session("warm", "bench")
         steps.clear()
-        t0 = time.perf_counter()
+        t0 = runner.t0 = time.perf_counter()
         workers = [threading.Thread(target=session, args=(s,)) for s in workload.sessions]
         for w in workers:
             w.start()
@@ -113,7 +127,7 @@ def replay(model: Path, policy: str, followup_wait_ms: float, spec: WorkloadSpec
         "followup_wait_ms": followup_wait_ms,
         "wall_s": wall,
         "followup_ttft_median_s": statistics.median(follow),
-        "followup_ttft_p90_s": statistics.quantiles(follow, n=10)[-1],
+        "followup_ttft_p90_s": percentile(follow, 90),
         "first_ttft_median_s": statistics.median(first),
         "first_ttft_max_s": max(first),
         "prefill_tokens": sum(s[2] for s in steps),

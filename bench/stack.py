@@ -44,6 +44,7 @@ import psutil
 sys.path.insert(0, str(Path(__file__).parent))
 
 from engine import FIXED_PROMPT, fixed_run, primitive_isolated
+from harness import percentile
 
 from hotloop_serve.engine import Engine, EngineOptions, SamplingSettings
 from hotloop_serve.serve.model_source import embedded_model_path
@@ -355,11 +356,6 @@ async def gaps_of_one(model: Any, label: str, others: int, tokens: int) -> list[
     return [(b - a) * 1e3 for a, b in itertools.pairwise(arrivals)]
 
 
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=int, default=64)
@@ -422,9 +418,9 @@ def main() -> int:
                 ROWS.append({"name": f"cpu {n} {label} {who}", "value": ms, "unit": "ms/token"})
         for label, values in (gaps or {}).items():
             alone = (gaps or {}).get("alone")
-            for q in (0.5, 0.99):
+            for q in (50, 99):
                 base = percentile(alone, q) if alone and label != "alone" else None
-                row(f"5. inter-token gap p{round(q * 100)}, {label}", percentile(values, q), "ms", base)
+                row(f"5. inter-token gap p{q}, {label}", percentile(values, q) or 0.0, "ms", base)
     ns.json.parent.mkdir(parents=True, exist_ok=True)
     ns.json.write_text(json.dumps({"threads": ns.threads, "tokens": ns.tokens, "rows": ROWS}, indent=2))
     print(f"\nwrote {ns.json}")

@@ -249,10 +249,6 @@ class Chat:
 
     # -- conversation -----------------------------------------------------------------
 
-    def prompt_messages(self) -> list[Message]:
-        system = [Message(Role.SYSTEM, self.system)] if self.system else []
-        return system + self.history
-
     def warm_system(self) -> None:
         """Prefill the system prompt so the first turn only computes the user's message."""
         if not self.system:

@@ -70,7 +70,7 @@ class EngineOptions:
     attention skips masked cells, and the rows that make logits (decoders, a reply's last prompt
     token) run in a ``llama_decode`` of their own, apart from the step's prompt rows (a batch of
     8 rows or more rounds differently from 1-7). Measured (bench/invariance.py; bench/README.md,
-    "Reproducibility"): with up to 7 such rows a step, a greedy reply is the same alone and
+    ``invariance.py``): with up to 7 such rows a step, a greedy reply is the same alone and
     beside others' prompts, and an evicted and restored session continues exactly; from 8
     decoders on, and with a prompt split into other chunks, logits move (by up to ~1) and a
     near-tie can flip. Cost: ~3% single stream, a few ms per step that prefills beside decoders."""

@@ -4,15 +4,17 @@ Glossary (after llama.cpp's server and vLLM):
 - *session*: a conversation's cache, keyed by id, owned by a principal (``session.py``).
 - *sequence*: one of the context's ``hot_sessions`` KV sequences; a hot session holds one.
 - *request*: one Generate or Warmup of a session, with an explicit state (``requests.py``).
-- *step*: ``Scheduler.schedule()`` decides who runs with how many tokens and makes room
-  (``scheduler.py``, ``kv.py``); this module fills the batch, runs one ``llama_decode`` and
-  applies the results (sample, stream text, finish).
+- *step*: the scheduler decides who runs with how many tokens and makes room
+  (``scheduler.py``, ``kv.py``), the runner runs one ``llama_decode`` (``runner.py``), the
+  output stage turns each sampled row into an outcome (``output.py``) and the scheduler
+  applies the outcomes (stream text, end requests).
 
-Rules: only the scheduler thread touches the llama context and KV memory; callers render
-and tokenize on their own threads, then ``submit`` and read a :class:`RequestStream`.
-Commands that touch KV memory (clear, close) are queued to the scheduler too. After each
-step the thread publishes an immutable :class:`EngineStats`, so readers never see its
-structures mid-change.
+This module keeps the public API (any thread) and the scheduler thread's loop. Rules: only
+the scheduler thread touches the llama context, KV memory and the scheduler's queues;
+callers render and tokenize on their own threads, then ``submit`` into an inbox (under the
+engine's lock) and read a :class:`RequestStream`. Session operations that touch KV memory are
+typed commands (``commands.py``) queued to the same thread. After each step the thread
+publishes an immutable :class:`EngineStats`, so readers never see its structures mid-change.
 """
 
 from __future__ import annotations
@@ -26,31 +28,40 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from typing import Any, TypeVar
-
-import llama_cpp as ll
-import numpy as np
+from typing import Any
 
 from hotloop_serve.engine.chat_template import ChatMessage, ChatTemplate, builtin_template
+from hotloop_serve.engine.commands import (
+    ClearSession,
+    CloseSession,
+    Command,
+    DropIfStale,
+    ForkSession,
+    PlaceImport,
+    Queued,
+    ReleaseSession,
+    SnapshotAll,
+    SnapshotSession,
+    T,
+)
 from hotloop_serve.engine.config import EngineOptions
-from hotloop_serve.engine.cpus import cpu_budget
 from hotloop_serve.engine.grammar import GrammarProbe
-from hotloop_serve.engine.kv import RESTORE_MARGIN, KVManager, LlamaKVMemory, common_prefix
+from hotloop_serve.engine.kv import RESTORE_MARGIN, KVManager, common_prefix
 from hotloop_serve.engine.kv_state import check_state
 from hotloop_serve.engine.model import Model
+from hotloop_serve.engine.output import OutputProcessor
 from hotloop_serve.engine.persist import BlobKeys, DiskStore, SessionBlob, model_fingerprint, to_kv_bytes
 from hotloop_serve.engine.prompt_tokens import PromptTokenizer
 from hotloop_serve.engine.requests import Request, RequestKind, RequestState
+from hotloop_serve.engine.runner import ModelRunner
 from hotloop_serve.engine.sampling import Sampler
-from hotloop_serve.engine.scheduler import PREFILL_TILE, BatchPlan, Scheduler
+from hotloop_serve.engine.scheduler import BatchPlan, Scheduler
 from hotloop_serve.engine.session import KVBytes, Session, SessionPhase, SessionRegistry
 from hotloop_serve.engine.settings import SamplingSettings
-from hotloop_serve.engine.stream import Chunk, RequestStream, Timings
+from hotloop_serve.engine.stream import RequestStream
 from hotloop_serve.errors import (
-    Cancelled,
     FailedPrecondition,
     HotloopError,
-    InternalError,
     InvalidArgument,
     OutOfRange,
     ResourceExhausted,
@@ -58,11 +69,10 @@ from hotloop_serve.errors import (
 )
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
 
-__all__ = ["Engine", "EngineStats", "SessionInfo", "common_prefix"]
+__all__ = ["Engine", "EngineStats", "SessionInfo"]
 
-_GGML_TYPES = {"f16": 1, "q4_0": 2, "q8_0": 8}  # ggml_type values
+RunnerFactory = Callable[[Model, EngineOptions], ModelRunner]
 FOLLOWUP_WAIT_STEP_SHARE = 0.25
 """At most this share of a measured decoding step is spent waiting for a quick client's next
 turn: it saves that client a whole step and delays the others' next token by a quarter."""
@@ -125,7 +135,10 @@ class Engine:
         max_sample_len: int | None = None,
         blob_keys: BlobKeys | None = None,
         prestart_grammar_probe: bool = False,
+        runner: RunnerFactory = ModelRunner,
     ) -> None:
+        """``runner`` builds the model runner from the loaded model (tests and benchmarks pass a
+        subclass of :class:`ModelRunner` that records or slows its steps)."""
         self.options = opts = options or EngineOptions()
         self.blob_keys = blob_keys or BlobKeys.ephemeral()
         """Sign exported and persisted caches and verify imported ones (``persist.py``): by
@@ -167,11 +180,10 @@ class Engine:
             else None
         )
         self._writer = concurrent.futures.ThreadPoolExecutor(1, "hotloop-persist") if self.disk else None
-        self._ctx = self._create_context(opts)
-        self._batch = ll.llama_batch_init(opts.batch_tokens, 0, 1)
-        memory = self._memory = LlamaKVMemory(self._ctx, self.model.ptr, probe_token=self.model.bos)
+        self.runner = runner(self.model, opts)
+        self.output = OutputProcessor(self.model, self.runner.ctx)
         self.kv = KVManager(
-            memory,
+            self.runner.memory,
             sequences=opts.hot_sessions,
             capacity_tokens=opts.context_tokens,
             evicted_bytes=opts.evicted_bytes,
@@ -185,7 +197,7 @@ class Engine:
             max_running=opts.hot_sessions,
             batch_tokens=opts.batch_tokens,
             prefill_chunk=opts.prefill_chunk,
-            end=self._end_request,
+            session_context=self.session_context,
             step_target_ms=opts.step_target_ms,
             fair_prefill=opts.prefill_policy == "fair",
         )
@@ -194,10 +206,10 @@ class Engine:
         self._wakeup = threading.Condition(self._lock)
         self._sessions = SessionRegistry(opts.max_sessions, sessions_per_owner)
         self._inbox: deque[Request] = deque()
-        self._commands: deque[tuple[Callable[[], Any], concurrent.futures.Future[Any]]] = deque()
+        """Submitted requests the scheduler thread has not taken yet (guarded by the lock)."""
+        self._commands: deque[Queued] = deque()
         self._order = itertools.count()
         self._rng = random.Random(opts.seed or None)
-        self._steps = 0
         self._stopping = False
         self._failure: BaseException | None = None
         self._last_housekeeping = time.monotonic()
@@ -205,34 +217,8 @@ class Engine:
         """Sessions whose reply just ended and whose client comes back quickly: until when the
         next step waits for their next turn (see ``EngineOptions.followup_wait_ms``)."""
         self._stats = EngineStats(free_sequences=opts.hot_sessions)
-        self._usage = {"turns": 0, "prompt_tokens": 0, "cached_tokens": 0, "restored_tokens": 0}
         self._thread = threading.Thread(target=self._run, name="hotloop-scheduler", daemon=True)
         self._thread.start()
-
-    def _create_context(self, opts: EngineOptions) -> ll.llama_context_p:
-        params = ll.llama_context_default_params()
-        params.n_ctx = opts.context_tokens
-        params.n_batch = params.n_ubatch = opts.batch_tokens
-        params.n_seq_max = opts.hot_sessions
-        if opts.threads:
-            threads = opts.threads
-            log.info("llama.cpp decodes with %d threads (engine.threads)", threads)
-        else:
-            budget = cpu_budget()
-            threads = budget.threads
-            log.info("llama.cpp decodes with %s", budget.describe())
-        params.n_threads = params.n_threads_batch = threads
-        params.kv_unified = opts.kv_layout == "unified"
-        params.swa_full = opts.swa_full
-        params.type_k = _GGML_TYPES[opts.kv_type_k]
-        params.type_v = _GGML_TYPES[opts.kv_type_v]
-        params.no_perf = True
-        if opts.batch_invariant or opts.kv_type_v != "f16":
-            params.flash_attn_type = ll.LLAMA_FLASH_ATTN_TYPE_ENABLED
-        ctx = ll.llama_init_from_model(self.model.ptr, params)
-        if not ctx:
-            raise InternalError(f"llama.cpp could not create a context of {opts.context_tokens} tokens")
-        return ctx
 
     # ------------------------------------------------------------------ public API (any thread)
     @property
@@ -293,7 +279,7 @@ class Engine:
         """Empty a session's cache (its settings stay); a running request of it is cancelled."""
         with self._lock:
             s = self._sessions.owned(session_id, owner)
-        self._call(lambda: self._clear(s))
+        self._call(ClearSession(s))
         with self._lock:
             return self._info(s)
 
@@ -301,7 +287,7 @@ class Engine:
         """Forget a session; a running request of it is cancelled."""
         with self._lock:
             s = self._sessions.owned(session_id, owner)
-        self._call(lambda: self._forget(s))
+        self._call(CloseSession(s))
 
     def generate(
         self,
@@ -351,12 +337,7 @@ class Engine:
         keep: list[int] | None = self.render(messages, add_generation_prompt=False) if messages else None
         with self._lock:
             dst, _ = self._sessions.get_or_create(new_id, owner, settings)
-
-        def fork() -> None:
-            n = len(src.tokens) if keep is None else common_prefix(src.tokens, keep)
-            self.kv.fork(src, dst, n, [r.session for r in self.scheduler.running])
-
-        self._call(fork)
+        self._call(ForkSession(src, dst, keep))
         return self.session_info(new_id, owner)
 
     def list_sessions(self, owner: str | None) -> list[SessionInfo]:
@@ -370,17 +351,7 @@ class Engine:
         too). None, keeping it, when it is serving a request or holds no cache."""
         with self._lock:
             s = self._sessions.owned(session_id, owner)
-
-        def release() -> tuple[list[int], KVBytes | None]:
-            if s.busy:
-                return [], None
-            tokens, data = self.kv.snapshot(s, leaving=True)
-            if data is not None:
-                data = to_kv_bytes(bytes(data))  # a copy: forgetting frees the original
-                self._forget(s)
-            return tokens, data
-
-        tokens, data = self._call(release)
+        tokens, data = self._call(ReleaseSession(s))
         if data is None:
             return None
         return SessionBlob(self.fingerprint, tokens, s.settings, bytes(data)).encode(self.blob_keys)
@@ -389,7 +360,7 @@ class Engine:
         """The session's cache as a portable blob (tokens, KV state, settings, model fingerprint)."""
         with self._lock:
             s = self._sessions.owned(session_id, owner)
-        tokens, data = self._call(lambda: self.kv.snapshot(s, leaving=True))
+        tokens, data = self._call(SnapshotSession(s))
         kv = bytes(data) if data is not None else b""
         return SessionBlob(self.fingerprint, tokens if kv else [], s.settings, kv).encode(self.blob_keys)
 
@@ -403,14 +374,7 @@ class Engine:
         if s is not None:
             with self._lock:
                 s = self._sessions.owned(session_id, owner)
-
-            def drop_if_stale() -> bool:
-                if s.busy or s.context_tokens >= tokens:
-                    return False
-                self._forget(s)
-                return True
-
-            if not self._call(drop_if_stale):
+            if not self._call(DropIfStale(s, tokens)):
                 return False
         self.import_session(session_id, owner, data)
         return True
@@ -444,18 +408,8 @@ class Engine:
                 raise FailedPrecondition(f"session {session_id} already exists; import into a new session id")
             s, _ = self._sessions.get_or_create(session_id, owner, settings)
 
-        def place() -> bool:
-            if not blob.kv:
-                return True
-            self.kv.adopt(s, blob.tokens, to_kv_bytes(blob.kv))
-            protect = [r.session for r in self.scheduler.running]
-            ok = self.kv.acquire(s, protect) and self.kv.restore(s, protect) == len(blob.tokens) > 0
-            if ok and keep_tokens is not None:
-                self.kv.cut(s, common_prefix(s.tokens, keep_tokens))
-            return ok
-
-        if not self._call(place):
-            self._call(lambda: self._forget(s))
+        if not self._call(PlaceImport(s, blob.tokens, blob.kv, keep_tokens)):
+            self._call(CloseSession(s))
             raise InvalidArgument("session export could not be loaded into the KV cache (its state is invalid)")
         return self.session_info(session_id, owner)
 
@@ -463,8 +417,11 @@ class Engine:
         """InvalidArgument unless ``kv`` is this model's state of exactly ``n_tokens`` tokens
         (``kv_state.check_state``), checked before llama.cpp reads a byte of it: a state whose
         cells do not continue its tokens would fail every session's decode in the next batch."""
-        self._memory.calibrated.wait(timeout=60.0)
-        layout = self._memory.layout
+        memory = self.runner.memory
+        calibrated = getattr(memory, "calibrated", None)  # a test runner's memory may learn nothing
+        if calibrated is not None:
+            calibrated.wait(timeout=60.0)
+        layout = getattr(memory, "layout", None)
         if layout is not None:
             check_state(kv, n_tokens, layout)
 
@@ -477,7 +434,7 @@ class Engine:
             active_requests=snap.active_requests + len(self._inbox),
             disk_files=files,
             disk_bytes=size,
-            **self._usage,
+            **self.scheduler.usage,
         )
 
     def close(self) -> None:
@@ -488,7 +445,7 @@ class Engine:
         """
         if self.disk is not None and self.alive:
             try:
-                self._call(self._snapshot_all)
+                self._call(SnapshotAll())
             except HotloopError as e:
                 log.warning("could not snapshot sessions at shutdown: %s", e.message)
         if self._writer is not None:
@@ -499,12 +456,7 @@ class Engine:
             self._stopping = True
             self._wakeup.notify_all()
         self._thread.join(timeout=30)
-        if self._batch is not None:
-            ll.llama_batch_free(self._batch)
-            self._batch = None
-        if self._ctx:
-            ll.llama_free(self._ctx)
-            self._ctx = None
+        self.runner.close()
         self.grammars.close()
         self.model.close()
 
@@ -551,7 +503,7 @@ class Engine:
                 if session.finished_at:
                     session.return_s = time.perf_counter() - session.finished_at
                     session.finished_at = 0.0
-                queued = len(self._inbox) + len(self.scheduler.waiting)
+                queued = len(self._inbox) + self.scheduler.waiting_count
                 if queued >= self.options.max_queue:
                     raise ResourceExhausted(
                         f"replica queue is full (engine.max_queue={self.options.max_queue} waiting requests); "
@@ -567,7 +519,6 @@ class Engine:
                 if self.disk is not None and session.phase in (SessionPhase.NEW, SessionPhase.DROPPED):
                     self._inbox_disk_load(req)
                 req.sampler = sampler
-                session.pending += 1
                 session.last_used = time.monotonic()
                 self._inbox.append(req)
                 self._wakeup.notify()
@@ -651,29 +602,24 @@ class Engine:
         s.disk = True
         self._writer.submit(self.disk.put, s.id, blob)
 
-    def _snapshot_all(self) -> None:
-        for s in self._sessions.values():
-            tokens, data = self.kv.snapshot(s, leaving=True)
-            if data is not None and tokens:
-                self._spill(s, tokens, data)
-
-    def _call(self, fn: Callable[[], T]) -> T:
-        """Run ``fn`` on the scheduler thread (it owns KV memory) and wait for it."""
-        fut: concurrent.futures.Future[T] = concurrent.futures.Future()
+    def _call(self, cmd: Command[T]) -> T:
+        """Run ``cmd`` on the scheduler thread (it owns KV memory) and wait for its result."""
+        queued = Queued(cmd)
         with self._lock:
             self._check_alive()
-            self._commands.append((fn, fut))
+            self._commands.append(queued)
             self._wakeup.notify()
-        return fut.result()
+        result: T = queued.future.result()
+        return result
 
     # ------------------------------------------------------------------ scheduler thread
     def _has_work(self) -> bool:
-        return bool(self._inbox or self._commands or self.scheduler.running or self.scheduler.waiting)
+        return bool(self._inbox or self._commands or self.scheduler.has_work)
 
     def _run(self) -> None:
         try:
             # Every llama_decode runs on this thread, the calibration's too (see LlamaKVMemory.calibrate).
-            self._memory.calibrate()
+            self.runner.memory.calibrate()
             while True:
                 if self._expected:
                     self._await_followups()
@@ -689,16 +635,16 @@ class Engine:
                         self.scheduler.add(req)
                     self._inbox.clear()
                     self._housekeeping()
-                for fn, fut in commands:
+                for queued in commands:
                     try:
-                        fut.set_result(fn())
+                        queued.future.set_result(self._execute(queued.command))
                     except BaseException as e:
-                        fut.set_exception(e)
+                        queued.future.set_exception(e)
                 plan = self.scheduler.schedule()
                 if plan.new_tokens:
                     self._step(plan)
                 self._publish()
-                if not plan.new_tokens and self.scheduler.waiting:
+                if not plan.new_tokens and self.scheduler.waiting_count:
                     # Nothing runnable (waiting on busy sessions): sleep until something changes.
                     with self._lock:
                         if not (self._inbox or self._commands or self._stopping):
@@ -711,18 +657,31 @@ class Engine:
             if self._failure is not None:
                 error = Unavailable(f"this replica's engine failed ({self._failure}); retry on another replica")
             with self._lock:
-                pending = [*self.scheduler.requests, *self._inbox]
-                self.scheduler.running.clear()
-                self.scheduler.waiting.clear()
+                for req in self._inbox:
+                    self.scheduler.add(req)
                 self._inbox.clear()
                 commands = list(self._commands)
                 self._commands.clear()
-            for req in pending:
-                if req.live:
-                    self._end_request(req, RequestState.FAILED, error)
-            for _, fut in commands:
-                fut.set_exception(error)
+            self.scheduler.fail_all(error)
+            for queued in commands:
+                queued.future.set_exception(error)
             self._publish()
+
+    def _step(self, plan: BatchPlan) -> None:
+        """One step past the plan: the runner executes it, the output stage turns each row of
+        logits into an outcome, the scheduler applies the outcomes."""
+        batch = self.scheduler.batch(plan)
+        out = self.runner.execute(batch.pieces)
+        process = self.output.process
+        outcomes = [
+            None if row is None else process(req, row) for req, row in zip(batch.requests, out.logits, strict=True)
+        ]
+        ended = self.scheduler.update_from_output(batch, out, outcomes)
+        if ended:
+            wait = self._followup_wait_s()
+            for s in ended:
+                if wait > 0 and (s.return_s is None or s.return_s <= wait):
+                    self._expected[s] = s.finished_at + wait
 
     def _await_followups(self) -> None:
         """Hold the next step briefly for the next turns of quick clients whose replies just ended.
@@ -734,13 +693,14 @@ class Engine:
         the cost to the others small (bench/replay.py measures both sides).
         """
         expected = self._expected
-        if all(r.session in expected for r in self.scheduler.running):
+        if all(s in expected for s in self.scheduler.running_sessions()):
             expected.clear()
             return
         with self._lock:
             while expected and not (self._stopping or self._commands):
                 now = time.perf_counter()
-                for s in [s for s, until in expected.items() if s.pending or s.closed or until <= now]:
+                arrived = {r.session for r in self._inbox}  # submitted, not yet taken by the scheduler
+                for s in [s for s, until in expected.items() if s.pending or s in arrived or s.closed or until <= now]:
                     del expected[s]
                 if expected:
                     self._wakeup.wait(timeout=min(expected.values()) - now)
@@ -760,12 +720,12 @@ class Engine:
             hot_sessions=len(kv.hot),
             evicted_sessions=len(kv.evicted),
             evicted_bytes=kv.evicted.bytes,
-            active_requests=len(sched.running) + len(sched.waiting),
-            waiting_requests=len(sched.waiting),
+            active_requests=sched.running_count + sched.waiting_count,
+            waiting_requests=sched.waiting_count,
             free_sequences=kv.free_sequences,
             kv_tokens=kv.used(),
-            steps=self._steps,
-            preempted_requests=sum(1 for r in sched.waiting if r.state is RequestState.PREEMPTED),
+            steps=sched.steps,
+            preempted_requests=sched.preempted_count,
             evictions=c["evictions"],
             preemptions=c["preemptions"],
             restores=c["restores"],
@@ -776,54 +736,93 @@ class Engine:
         )
 
     def _housekeeping(self) -> None:
-        """Forget sessions idle past their TTL, at most once a second, under load too (lock held)."""
+        """Forget sessions idle past their TTL, at most once a second, under load too (lock held).
+
+        The decision and the session's removal from the registry happen here, under the lock
+        and after the inbox was read, so no request can reach a session the TTL is forgetting;
+        its memory is freed by a command (the TTL frees memory; a persisted copy may still serve).
+        """
         now = time.monotonic()
         if now - self._last_housekeeping < 1.0:
             return
         self._last_housekeeping = now
         for s in self._sessions.idle_past(self.options.idle_ttl_s, now):
-            self._commands.append((lambda s=s: self._expire(s), concurrent.futures.Future()))  # type: ignore[misc]
+            if self._claim(s):
+                self._commands.append(Queued(CloseSession(s, keep_on_disk=True)))
 
-    def _expire(self, s: Session) -> None:
-        if not s.busy and time.monotonic() - s.last_used > self.options.idle_ttl_s:
-            self._forget(s, keep_on_disk=True)  # the TTL frees memory; a persisted copy may still serve
+    def _claim(self, s: Session) -> bool:
+        """Remove an idle session from the registry (lock held): False, keeping it, when a request
+        holds it, waits for it, or sits in the inbox for it. ``Session.pending`` is the
+        scheduler's and counts only what it was handed; the inbox is read here, under the lock."""
+        if s.busy or any(r.session is s for r in self._inbox):
+            return False
+        self._sessions.remove(s)
+        return True
 
-    def _end_request(self, req: Request, state: RequestState, error: HotloopError | None) -> None:
-        """The one way a request ends: its state, its resources, its stream's last item."""
-        if req.state is RequestState.WAITING:
-            req.session.pending -= 1
-        req.transition(state)
-        if error is not None:
-            req.stream.put(error)
-        elif state is RequestState.FINISHED:
-            self._send_final(req, "eos")
-            if req.kind is RequestKind.GENERATE:
-                u = self._usage  # written by the scheduler thread only; stats() copies it
-                u["turns"] += 1
-                u["prompt_tokens"] += req.usage.prompt_tokens
-                u["cached_tokens"] += req.usage.cached_tokens
-                u["restored_tokens"] += req.usage.restored_tokens
+    def _execute(self, cmd: Command[Any]) -> Any:
+        """Run one command (scheduler thread)."""
+        match cmd:
+            case ClearSession(session=s):
+                self.scheduler.end_session_request(s, "cleared")
+                if not s.closed:
+                    self.kv.clear(s)
+                self._delete_persisted(s)
+                return None
+            case CloseSession(session=s, keep_on_disk=keep):
+                self._forget(s, keep_on_disk=keep)
+                return None
+            case ForkSession(source=src, target=dst, keep=keep):
+                n = len(src.tokens) if keep is None else common_prefix(src.tokens, keep)
+                self.kv.fork(src, dst, n, self.scheduler.running_sessions())
+                return None
+            case ReleaseSession(session=s):
+                return self._release(s)
+            case SnapshotSession(session=s):
+                return self.kv.snapshot(s, leaving=True)
+            case DropIfStale(session=s, tokens=longer):
+                if s.context_tokens >= longer:
+                    return False
+                with self._lock:
+                    if not self._claim(s):
+                        return False
+                self._forget(s)
+                return True
+            case PlaceImport():
+                return self._place_import(cmd)
+            case SnapshotAll():
+                for s in self._sessions.values():
+                    tokens, data = self.kv.snapshot(s, leaving=True)
+                    if data is not None and tokens:
+                        self._spill(s, tokens, data)
+                return None
+        raise TypeError(f"unknown engine command {cmd!r}")
 
-    def _end_session_request(self, s: Session, why: str) -> None:
-        """End whatever request holds ``s`` (clear or close); a finished reply's tail is not cached."""
-        req = s.request
-        if req is None or not req.live:
-            return
-        if req.state is RequestState.CACHING_TAIL:
-            self._end_request(req, RequestState.FINISHED, None)
-        else:
-            if req.state is RequestState.PREEMPTED:
-                self.kv.discard_saved(s)
-            self._end_request(req, RequestState.CANCELLED, Cancelled(f"request cancelled: the session was {why}"))
-        self.scheduler.drop_finished()
-        if req in self.scheduler.waiting:
-            self.scheduler.waiting.remove(req)
+    def _release(self, s: Session) -> tuple[list[int], KVBytes | None]:
+        with self._lock:
+            busy = s.busy or any(r.session is s for r in self._inbox)
+        if busy:
+            return [], None
+        tokens, data = self.kv.snapshot(s, leaving=True)
+        if data is None:
+            return tokens, None
+        data = to_kv_bytes(bytes(data))  # a copy: forgetting frees the original
+        with self._lock:
+            if not self._claim(s):  # a request for it arrived meanwhile: it stays here
+                return [], None
+        self._forget(s)
+        return tokens, data
 
-    def _clear(self, s: Session) -> None:
-        self._end_session_request(s, "cleared")
-        if not s.closed:
-            self.kv.clear(s)
-        self._delete_persisted(s)
+    def _place_import(self, cmd: PlaceImport) -> bool:
+        """Load an imported cache into its new session (see :meth:`import_session`)."""
+        s = cmd.session
+        if not cmd.kv:
+            return True
+        self.kv.adopt(s, cmd.tokens, to_kv_bytes(cmd.kv))
+        protect = self.scheduler.running_sessions()
+        ok = self.kv.acquire(s, protect) and self.kv.restore(s, protect) == len(cmd.tokens) > 0
+        if ok and cmd.keep is not None:
+            self.kv.cut(s, common_prefix(s.tokens, cmd.keep))
+        return ok
 
     def _delete_persisted(self, s: Session) -> None:
         if self.disk is not None and self._writer is not None:
@@ -831,7 +830,7 @@ class Engine:
             s.disk = False
 
     def _forget(self, s: Session, keep_on_disk: bool = False) -> None:
-        self._end_session_request(s, "closed")
+        self.scheduler.end_session_request(s, "closed")
         self._prompts.forget(s.id)
         if keep_on_disk and self.disk is not None:
             tokens, data = self.kv.snapshot(s, leaving=True)
@@ -842,192 +841,3 @@ class Engine:
         self.kv.forget(s)
         with self._lock:
             self._sessions.remove(s)
-
-    # ------------------------------------------------------------------ one step: execute, update
-    def _step(self, plan: BatchPlan) -> None:
-        """Run the plan: one ``llama_decode``, or two with ``batch_invariant``.
-
-        With ``batch_invariant`` the rows that make logits (decoders, and the last prompt token of
-        each reply) run in a batch of their own, after the step's other prompt rows: llama.cpp's
-        CPU kernels round differently once a batch holds 8 rows or more (and again from 64,
-        flash attention's tiled path), so a decoder beside a prompt, or a reply's last prompt
-        token inside its prompt, would get other logits than alone and a greedy reply could
-        change with the load. The split costs a few ms per step that prefills beside decoders
-        (bench/README.md, "Reproducibility"); it keeps a follow-up's first token in the step
-        that prefills its prompt.
-        """
-        running = list(self.scheduler.running)
-        decoded = [running[i] for i in plan.decode]
-        chunks = [(running[i], count) for i, count in plan.prefill]
-        elapsed = 0.0
-        if self.options.batch_invariant:
-            body: list[tuple[Request, int]] = []
-            last_tokens: list[tuple[Request, int]] = []
-            for req, count in chunks:
-                ends = self._completes(req, count)
-                if ends:
-                    last_tokens.append((req, 1))
-                if count > ends:
-                    body.append((req, count - ends))
-            if body and (decoded or last_tokens):
-                took = self._run_batch([], body)
-                if took is None:
-                    return
-                elapsed = took
-                chunks = last_tokens
-        took = self._run_batch(decoded, chunks)
-        if took is None:
-            return
-        self._steps += 1
-        self.scheduler.pacer.observe(len(decoded), sum(count for _, count in plan.prefill), elapsed + took)
-        self.scheduler.drop_finished()
-
-    @staticmethod
-    def _completes(req: Request, count: int) -> bool:
-        """Whether prefilling ``count`` more tokens ends a prompt whose last token makes logits."""
-        return req.needs_logits and len(req.session.tokens) + count == len(req.prompt)
-
-    def _run_batch(self, decoded: list[Request], chunks: list[tuple[Request, int]]) -> float | None:
-        """One ``llama_decode`` of ``decoded``'s next tokens and ``chunks`` of prompts; apply the
-        results and sample. The seconds llama.cpp took, or None when it refused the batch."""
-        batch = self._batch
-        n = 0
-        outputs: list[tuple[Request, int]] = []
-        for req in decoded:
-            seq = req.session.seq
-            assert seq is not None and req.last_token is not None
-            batch.token[n] = req.last_token
-            batch.pos[n] = len(req.session.tokens)
-            batch.n_seq_id[n] = 1
-            batch.seq_id[n][0] = seq
-            wants = req.state is RequestState.DECODING
-            batch.logits[n] = wants
-            if wants:
-                outputs.append((req, n))
-            n += 1
-        # Whole-tile prompt pieces first, so each starts on a flash-attention query tile
-        # (scheduler.PREFILL_TILE) where no decoder rows come before them (batch_invariant).
-        chunks = sorted(chunks, key=lambda chunk: chunk[1] % PREFILL_TILE != 0)
-        for req, count in chunks:
-            seq = req.session.seq
-            assert seq is not None
-            start = len(req.session.tokens)
-            for k in range(count):
-                batch.token[n] = req.prompt[start + k]
-                batch.pos[n] = start + k
-                batch.n_seq_id[n] = 1
-                batch.seq_id[n][0] = seq
-                batch.logits[n] = False
-                n += 1
-            if self._completes(req, count):
-                batch.logits[n - 1] = True
-                outputs.append((req, n - 1))
-        batch.n_tokens = n
-        t0 = time.perf_counter()
-        rc = ll.llama_decode(self._ctx, batch)
-        took = time.perf_counter() - t0
-        if rc != 0:
-            self._decode_failed(rc)
-            return None
-        # Update: the batch's tokens are now in the cache.
-        for req in decoded:
-            assert req.last_token is not None
-            req.session.tokens.append(req.last_token)
-            if req.state is RequestState.CACHING_TAIL:
-                self._end_request(req, RequestState.FINISHED, None)
-        for req, count in chunks:
-            start = len(req.session.tokens)
-            req.session.tokens.extend(req.prompt[start : start + count])
-            if req.prefill_remaining == 0:
-                if req.kind is RequestKind.WARMUP:
-                    self._end_request(req, RequestState.FINISHED, None)
-                elif req.resume_token is not None:  # a pre-empted reply rebuilt its cache: go on decoding
-                    req.last_token, req.resume_token = req.resume_token, None
-                    req.transition(RequestState.DECODING)
-        if outputs:
-            # One view of every row of logits: a llama_get_logits_ith call per row would release
-            # the GIL each time, handing it to the replica's event loop in the middle of the step.
-            rows = np.ctypeslib.as_array(ll.llama_get_logits(self._ctx), shape=(len(outputs), self.model.n_vocab))
-            for row, (req, index) in enumerate(outputs):
-                if req.live:
-                    self._sample(req, index, rows[row])
-        return took
-
-    def _decode_failed(self, rc: int) -> None:
-        """llama_decode refused the batch: 1 = no room in the KV cache; anything else is fatal."""
-        if rc != 1:
-            raise RuntimeError(f"llama_decode failed with {rc}")
-        if len(self.scheduler.running) > 1 and self.scheduler.preempt_newest():
-            return  # retried next step with fewer sequences
-        for req in list(self.scheduler.running):
-            self._end_request(
-                req,
-                RequestState.FAILED,
-                ResourceExhausted(
-                    f"the replica's KV cache is full (engine.context_tokens={self.options.context_tokens}); "
-                    "retry, or raise context_tokens"
-                ),
-            )
-            self.kv.clear(req.session)
-        self.scheduler.drop_finished()
-
-    def _sample(self, req: Request, index: int, logits: np.ndarray) -> None:
-        assert req.sampler is not None
-        now = time.perf_counter()
-        if req.generated == 0:
-            req.t_first = now
-        token = req.sampler.sample(self._ctx, index, logits)
-        if self.model.is_eog(token):
-            self._finish(req, "eos", cache_token=token)
-            return
-        req.generated += 1
-        if req.settings.logprobs:
-            req.sampler.record_logprob(self._ctx, index, token, self.model.piece)
-        text = req.assembler.feed(self.model.piece(token))
-        if req.assembler.stopped:
-            if text:
-                req.stream.put(Chunk(text, logprobs=req.sampler.take_logprobs()))
-            self._finish(req, "stop")
-            return
-        if text:
-            req.stream.put(Chunk(text, logprobs=req.sampler.take_logprobs()))
-        if req.generated >= req.settings.sample_len:
-            self._finish(req, "length", cache_token=token)
-        elif len(req.session.tokens) + 1 >= self.session_context:
-            self._finish(req, "context")
-        else:
-            req.last_token = token
-            if req.state is RequestState.PREFILLING:
-                req.transition(RequestState.DECODING)
-
-    def _send_final(self, req: Request, reason: str) -> None:
-        text = "" if req.assembler.stopped else req.assembler.flush()
-        end = time.perf_counter()
-        req.usage.completion_tokens = req.generated
-        t0 = req.t_admit or req.t_submit
-        first = req.t_first or end
-        timings = Timings(
-            queue_ms=(t0 - req.t_submit) * 1e3,
-            prefill_ms=(first - t0) * 1e3,
-            time_to_first_token_ms=(first - req.t_submit) * 1e3,
-            decode_ms=(end - first) * 1e3 if req.t_first else 0.0,
-        )
-        hit = req.usage.cached_tokens + req.usage.restored_tokens > 0
-        logprobs = req.sampler.take_logprobs() if req.sampler is not None else None
-        req.stream.put(Chunk(text, reason, req.usage, timings, cache_hit=hit, logprobs=logprobs))
-
-    def _finish(self, req: Request, reason: str, cache_token: int | None = None) -> None:
-        """Send the final chunk now; keep the request one more step to cache its last token if it fits."""
-        s = req.session
-        if not req.cancel_requested:  # before the chunk: the client's next request may follow at once
-            s.finished_at = time.perf_counter()
-            wait = self._followup_wait_s()
-            if wait > 0 and (s.return_s is None or s.return_s <= wait):
-                self._expected[s] = s.finished_at + wait
-        self._send_final(req, reason)
-        fits = len(req.session.tokens) + 1 < self.session_context
-        if cache_token is not None and fits and not req.cancel_requested:
-            req.last_token = cache_token
-            req.transition(RequestState.CACHING_TAIL)
-        else:
-            self._end_request(req, RequestState.FINISHED, None)

@@ -145,9 +145,6 @@ class Model:
             n = ll.llama_token_to_piece(self.vocab, token, buf, -n, 0, False)
         return buf.raw[:n]
 
-    def detokenize(self, tokens: list[int]) -> str:
-        return b"".join(self.piece(t) for t in tokens).decode("utf-8", errors="replace")
-
     def token_text(self, token: int) -> str:
         """A token's text with special tokens rendered (for templates' bos/eos strings)."""
         buf = ctypes.create_string_buffer(128)

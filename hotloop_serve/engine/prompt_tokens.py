@@ -2,7 +2,7 @@
 
 Why: every turn carries the whole history, and tokenizing it is on the turn's critical path:
 ~4 ms for ~1,000 tokens on an idle core, 8-16 ms beside an engine that keeps both cores busy,
-and it grows with the conversation (bench/README.md, "Where the full stack loses"). A
+and it grows with the conversation (``bench/prompt_tokens.py`` measures it). A
 follow-up's rendered prompt starts with the previous turn's, whose tokens are kept here: only
 the text after the last special token they share is tokenized.
 

@@ -1,7 +1,9 @@
-"""The scheduler: which requests run each step, with how many tokens, and what memory they get.
+"""The scheduler: which requests run each step, with how many tokens, and how each step ends.
 
-A step is ``schedule()`` (here: reap, admit, plan, make room) -> the engine's decode ->
-the engine's update (sample, stream, finish). The scheduler never touches the model; it
+A step is ``schedule()`` (here: reap, admit, plan, make room) -> :meth:`Scheduler.batch`
+(the plan as :class:`Piece` s) -> the runner's ``llama_decode`` (``runner.py``) -> the output
+stage's outcome per sampled row (``output.py``) -> :meth:`Scheduler.update_from_output`
+(here: commit the tokens, stream, end requests). The scheduler never touches the model; it
 moves requests through their state machine (``requests.py``) and asks the KV manager
 (``kv.py``) for sequences and cells, so all of it is tested with a fake memory.
 
@@ -14,8 +16,8 @@ Rules, in order of precedence:
 - **Batch** (:func:`plan_batch`): every decoding request gets exactly one token; prefill
   takes what is left, short prompts first and in full (a hot follow-up never waits behind a
   long cold prompt), long prompts in equal shares (a burst of new chats finishes prefilling
-  together, so its sessions decode in the same wide steps instead of drifting apart: on the
-  chat workload that is most of the distance to the machine's roofline), at most
+  together, so its sessions decode in the same wide steps instead of drifting apart: one wide
+  step costs little more than a narrow one, so steps shared are throughput gained), at most
   ``prefill_chunk`` tokens per prompt and per step whenever another request shares the engine
   (so a step stays short for whoever waits on it). A prompt alone takes the whole batch.
   While some requests are decoding, the prefill of a step is paced (:class:`PrefillPacer`):
@@ -30,14 +32,20 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from hotloop_serve.engine.kv import KVManager, common_prefix
+from hotloop_serve.engine.output import final_chunk
 from hotloop_serve.engine.requests import Request, RequestKind, RequestState
-from hotloop_serve.engine.session import SessionPhase
-from hotloop_serve.errors import Cancelled, HotloopError, NotFound
+from hotloop_serve.engine.session import Session, SessionPhase
+from hotloop_serve.engine.stream import Chunk
+from hotloop_serve.errors import Cancelled, HotloopError, NotFound, ResourceExhausted
+
+if TYPE_CHECKING:
+    from hotloop_serve.engine.output import Outcome
+    from hotloop_serve.engine.runner import StepOutput
 
 
 class Schedulable(Protocol):
@@ -70,8 +78,9 @@ class PrefillPacer:
     learnt from steps without prefill, ``per_token_s`` from steps with enough prefill to
     dominate (both as moving averages, so a change of load or context length is followed
     within a few steps). Without estimates yet, or with ``step_target_ms`` 0, the fixed
-    ``prefill_chunk`` applies. Why time, not tokens: the same token count is 10 ms on a GPU
-    and 400 ms on two CPU cores, and what a decoding user feels is the time between tokens.
+    ``prefill_chunk`` applies. Why time, not tokens: the same token count costs a GPU a small
+    fraction of what it costs two CPU cores, and what a decoding user feels is the time between
+    tokens.
     """
 
     MIN_TOKENS = 16  # a prompt always advances, even when decoding alone fills the target
@@ -167,11 +176,9 @@ def plan_batch(
 PREFILL_TILE = 64
 """Query rows per tile of llama.cpp's CPU flash attention (ggml-cpu's ``GGML_FA_TILE_Q``; its KV
 tiles are 64 cells). A tile skips a KV tile only when it is masked for all of the tile's rows, so
-a tile holding rows of two prompts computes every KV tile either of them attends to. Long
-prompts therefore get whole tiles of a step, and the engine lays a step's whole-tile pieces out
-first (``Engine._run_batch``): 8 prompts with 1,024 cells of history each, a 512-row step of pieces of
-64 rows took 1.29-1.35 s against 1.52-1.56 s for pieces of 67-69 (``bench/engine.py
---tiles-only``)."""
+a tile holding rows of two prompts computes every KV tile either of them attends to: the work of
+both. Long prompts therefore get whole tiles of a step, and the runner lays a step's whole-tile
+pieces out first (``runner._laid_out``); ``bench/engine.py --tiles-only`` measures the gain."""
 
 
 def _share_long_prompts(needs: list[tuple[int, int]], budget: int, cap: int) -> list[tuple[int, int]]:
@@ -181,7 +188,7 @@ def _share_long_prompts(needs: list[tuple[int, int]], budget: int, cap: int) -> 
     newcomer); the rest goes to whoever has the most left, levelling them. Prompts that arrived
     together, of different lengths, so finish in the same step: had the shortest finished
     first, its session would decode alone while the others' prompts were paced beside it, a
-    few tokens a step (bench/results/peer_policy.md: a burst of new chats then took ~17% longer).
+    few tokens a step, and the whole burst would reach its first tokens later.
 
     Where the budget does not finish them all, each share is then cut to whole
     :data:`PREFILL_TILE` rows and the rows cut are handed back, in whole tiles first, to the
@@ -236,11 +243,39 @@ def _level(needs: list[tuple[int, int]], budget: int, cap: int) -> list[tuple[in
     return [(i, take[i]) for i, _ in needs if take[i] > 0]
 
 
-EndRequest = Callable[[Request, RequestState, HotloopError | None], None]
+@dataclass(frozen=True, slots=True)
+class Piece:
+    """Tokens of one sequence for one step: a decoder's next token or a slice of a prompt (what
+    the runner executes; it knows sequences and positions, not requests)."""
+
+    seq: int
+    pos: int
+    """Position of the first token (the sequence's cache holds ``pos`` tokens before it)."""
+    tokens: Sequence[int]
+    logits: bool
+    """The last token's logits are wanted (a decoder that samples, a reply's last prompt token)."""
+    decoding: bool = False
+    """A decoder's row: with ``batch_invariant`` it runs beside the rows that make logits."""
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduledBatch:
+    """One step as the runner gets it (``pieces``) and as the update reads it back (``requests``,
+    the request of each piece, in the same order)."""
+
+    requests: tuple[Request, ...]
+    pieces: tuple[Piece, ...]
+    decode_tokens: int
+    prefill_tokens: int
 
 
 class Scheduler:
-    """Waiting and running requests of one engine. Scheduler thread only."""
+    """Waiting and running requests of one engine, and the one place a request ends.
+
+    It owns ``running``, ``waiting``, each session's ``request`` and ``pending`` count, and
+    every end of a request (:meth:`finish`): ends are applied here, from what the step returned
+    (:meth:`update_from_output`), never by calling back into the engine. Scheduler thread only.
+    """
 
     def __init__(
         self,
@@ -249,7 +284,7 @@ class Scheduler:
         max_running: int,
         batch_tokens: int,
         prefill_chunk: int,
-        end: EndRequest,
+        session_context: int,
         step_target_ms: float = 0.0,
         fair_prefill: bool = True,
     ) -> None:
@@ -257,18 +292,46 @@ class Scheduler:
         self.max_running = max_running
         self.batch_tokens = batch_tokens
         self.prefill_chunk = prefill_chunk
+        self.session_context = session_context
         self.pacer = PrefillPacer(step_target_ms, prefill_chunk, batch_tokens)
         self.fair_prefill = fair_prefill
-        self._end = end
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.steps = 0
+        """Steps run to the end (a step llama.cpp refused does not count)."""
+        self.usage = {"turns": 0, "prompt_tokens": 0, "cached_tokens": 0, "restored_tokens": 0}
+        """Totals over finished Generate turns (written here only; readers copy it)."""
 
     def add(self, req: Request) -> None:
+        """Queue a submitted request; its session counts it as pending until it is admitted or ends."""
+        req.session.pending += 1
         self.waiting.append(req)
 
-    # -- one step --
+    # -- what the engine reads --
+    @property
+    def has_work(self) -> bool:
+        return bool(self.running or self.waiting)
+
+    @property
+    def waiting_count(self) -> int:
+        """Requests waiting (one int read: safe from any thread, possibly a step old)."""
+        return len(self.waiting)
+
+    @property
+    def running_count(self) -> int:
+        return len(self.running)
+
+    @property
+    def preempted_count(self) -> int:
+        return sum(1 for r in self.waiting if r.state is RequestState.PREEMPTED)
+
+    def running_sessions(self) -> list[Session]:
+        """Sessions of running requests: what eviction and copies must leave alone."""
+        return [r.session for r in self.running]
+
+    # -- one step: schedule --
     def schedule(self) -> BatchPlan:
-        """Reap, admit, plan, and make room for the plan; the engine then runs it on ``running``."""
+        """Reap, admit, plan, and make room for the plan; :meth:`batch` then turns it into pieces."""
         self.reap()
         self.admit()
         plan = self._plan()
@@ -278,24 +341,48 @@ class Scheduler:
             plan = self._plan()
         return plan
 
+    def batch(self, plan: BatchPlan) -> ScheduledBatch:
+        """The plan as pieces for the runner: decoders first, then prompt slices, in plan order."""
+        running = self.running
+        reqs: list[Request] = []
+        pieces: list[Piece] = []
+        for i in plan.decode:
+            req = running[i]
+            seq = req.session.seq
+            assert seq is not None and req.last_token is not None
+            wants = req.state is RequestState.DECODING
+            reqs.append(req)
+            pieces.append(Piece(seq, len(req.session.tokens), (req.last_token,), wants, decoding=True))
+        prefill = 0
+        for i, count in plan.prefill:
+            req = running[i]
+            seq = req.session.seq
+            assert seq is not None
+            start = len(req.session.tokens)
+            ends = req.needs_logits and start + count == len(req.prompt)
+            reqs.append(req)
+            pieces.append(Piece(seq, start, req.prompt[start : start + count], ends))
+            prefill += count
+        return ScheduledBatch(tuple(reqs), tuple(pieces), len(plan.decode), prefill)
+
     def _plan(self) -> BatchPlan:
         paced = self.pacer.budget()
         return plan_batch(self.running, self.batch_tokens, self.prefill_chunk, paced, self.fair_prefill)
 
     def _make_room(self, tokens: int) -> bool:
-        return self.kv.make_room(tokens, [r.session for r in self.running])
+        return self.kv.make_room(tokens, self.running_sessions())
 
     def reap(self) -> None:
         """End cancelled requests (their session keeps its cache) and drop finished ones."""
         for req in [r for r in self.running if r.cancel_requested and r.state is not RequestState.CACHING_TAIL]:
-            self._end(req, RequestState.CANCELLED, Cancelled("request cancelled"))
+            self.finish(req, RequestState.CANCELLED, Cancelled("request cancelled"))
         self.running = [r for r in self.running if r.live]
         for req in [r for r in self.waiting if r.cancel_requested or not r.live]:
             self.waiting.remove(req)
             if req.live:
                 if req.state is RequestState.PREEMPTED:
                     self.kv.discard_saved(req.session)  # its saved KV was pinned for it alone
-                self._end(req, RequestState.CANCELLED, Cancelled("request cancelled"))
+                self.finish(req, RequestState.CANCELLED, Cancelled("request cancelled"))
 
     def admit(self) -> None:
         still: deque[Request] = deque()
@@ -303,19 +390,19 @@ class Scheduler:
             req = self.waiting.popleft()
             s = req.session
             if s.closed:
-                self._end(req, RequestState.FAILED, NotFound(f"session {s.id} was closed"))
+                self.finish(req, RequestState.FAILED, NotFound(f"session {s.id} was closed"))
                 continue
             held = s.request
             if held is not None and held is not req and held.state is RequestState.CACHING_TAIL:
                 # The session's next turn is here before its last reply's final token was cached:
                 # that token is in the new prompt anyway, so it is prefilled with it (one token
                 # more) rather than making the new turn wait a whole step behind it.
-                self._end(held, RequestState.FINISHED, None)
+                self.finish(held, RequestState.FINISHED)
                 self.running.remove(held)
             if (s.request is not None and s.request is not req) or len(self.running) >= self.max_running:
                 still.append(req)
                 continue
-            protect = [r.session for r in self.running]
+            protect = self.running_sessions()
             if not self.kv.acquire(s, protect):
                 still.append(req)
                 continue
@@ -335,7 +422,7 @@ class Scheduler:
         s.request = req
         s.pending -= 1
         req.t_admit = req.t_admit or time.perf_counter()
-        protect = [r.session for r in self.running]
+        protect = self.running_sessions()
         from_disk = req.disk is not None and not s.tokens and s.phase is SessionPhase.HOT
         if from_disk:
             assert req.disk is not None
@@ -352,7 +439,7 @@ class Scheduler:
             req.usage.cached_tokens = 0 if restored else reuse
             req.usage.restored_tokens = reuse if restored else 0
             req.transition(RequestState.PREFILLING)
-            self._end(req, RequestState.FINISHED, None)
+            self.finish(req, RequestState.FINISHED)
             return
         if generate and reuse == len(prompt):
             reuse -= 1  # the last prompt token is decoded again to get its logits
@@ -367,13 +454,13 @@ class Scheduler:
         req.transition(RequestState.PREFILLING)
         self.running.append(req)
         if req.kind is RequestKind.WARMUP and req.prefill_remaining == 0:
-            self._end(req, RequestState.FINISHED, None)
+            self.finish(req, RequestState.FINISHED)
 
     def _resume(self, req: Request) -> None:
         """Bring a pre-empted request back where it was (or rebuild its cache if RAM lost it)."""
         s = req.session
         tokens = list(s.tokens)
-        restored = self.kv.restore(s, [r.session for r in self.running])
+        restored = self.kv.restore(s, self.running_sessions())
         if restored:
             req.transition(RequestState.DECODING if req.last_token is not None else RequestState.PREFILLING)
         else:
@@ -389,7 +476,7 @@ class Scheduler:
         for req in sorted(self.running, key=lambda r: r.order, reverse=True):
             if req.state is RequestState.CACHING_TAIL:
                 # Its reply is complete: finish now, without caching the last token.
-                self._end(req, RequestState.FINISHED, None)
+                self.finish(req, RequestState.FINISHED)
             else:
                 self.kv.preempt(req.session)
                 req.transition(RequestState.PREEMPTED)
@@ -410,6 +497,132 @@ class Scheduler:
     def drop_finished(self) -> None:
         self.running = [r for r in self.running if r.live]
 
-    @property
-    def requests(self) -> list[Request]:
-        return [*self.running, *self.waiting]
+    # -- one step: update --
+    def update_from_output(
+        self, batch: ScheduledBatch, out: StepOutput, outcomes: Sequence[Outcome | None]
+    ) -> list[Session]:
+        """Apply a step: its tokens are in the cache, each sampled token's outcome is streamed, and
+        requests end where their reply did. ``outcomes``: per piece, the output stage's outcome of
+        its row (None where it had none). Returns the sessions whose reply ended this step (the
+        engine may hold the next step for their next turn)."""
+        self._commit(batch, out.cached)
+        if out.refused:
+            self._refused()
+            return []
+        ended: list[Session] = []
+        for req, outcome in zip(batch.requests, outcomes, strict=True):
+            if outcome is not None and req.live:
+                self._apply(req, outcome, ended)
+        self.steps += 1
+        self.pacer.observe(batch.decode_tokens, batch.prefill_tokens, out.seconds)
+        self.drop_finished()
+        return ended
+
+    def _commit(self, batch: ScheduledBatch, cached: Sequence[int]) -> None:
+        """The tokens the runner put in the cache are the sessions' now; end what that completes."""
+        for req, piece, n in zip(batch.requests, batch.pieces, cached, strict=True):
+            if not n:
+                continue
+            if piece.decoding:
+                assert req.last_token is not None
+                req.session.tokens.append(req.last_token)
+                if req.state is RequestState.CACHING_TAIL:
+                    self.finish(req, RequestState.FINISHED)
+                continue
+            req.session.tokens.extend(piece.tokens[:n])
+            if req.prefill_remaining == 0:
+                if req.kind is RequestKind.WARMUP:
+                    self.finish(req, RequestState.FINISHED)
+                elif req.resume_token is not None:  # a pre-empted reply rebuilt its cache: go on decoding
+                    req.last_token, req.resume_token = req.resume_token, None
+                    req.transition(RequestState.DECODING)
+
+    def _apply(self, req: Request, o: Outcome, ended: list[Session]) -> None:
+        """Stream a sampled token's text; end the reply on its own end or on a limit, else decode it next."""
+        if o.text:
+            req.stream.put(Chunk(o.text, logprobs=o.logprobs))
+        if o.finish == "eos":
+            self._end_reply(req, "eos", ended, cache_token=o.token)
+        elif o.finish is not None:
+            self._end_reply(req, o.finish, ended)
+        elif req.generated >= req.settings.sample_len:
+            self._end_reply(req, "length", ended, cache_token=o.token)
+        elif len(req.session.tokens) + 1 >= self.session_context:
+            self._end_reply(req, "context", ended)
+        else:
+            req.last_token = o.token
+            if req.state is RequestState.PREFILLING:
+                req.transition(RequestState.DECODING)
+
+    def _end_reply(self, req: Request, reason: str, ended: list[Session], cache_token: int | None = None) -> None:
+        """Send the final chunk now; keep the request one more step to cache its last token if it fits."""
+        s = req.session
+        if not req.cancel_requested:  # before the chunk: the client's next request may follow at once
+            s.finished_at = time.perf_counter()
+            ended.append(s)
+        req.stream.put(final_chunk(req, reason))
+        fits = len(s.tokens) + 1 < self.session_context
+        if cache_token is not None and fits and not req.cancel_requested:
+            req.last_token = cache_token
+            req.transition(RequestState.CACHING_TAIL)
+        else:
+            self.finish(req, RequestState.FINISHED)
+
+    def _refused(self) -> None:
+        """llama.cpp had no room for the step: pre-empt the newest request and retry next step, or,
+        alone, fail what runs (its cache cannot grow)."""
+        if len(self.running) > 1 and self.preempt_newest():
+            return
+        for req in list(self.running):
+            error = ResourceExhausted(
+                f"the replica's KV cache is full (engine.context_tokens={self.kv.capacity}); "
+                "retry, or raise context_tokens"
+            )
+            self.finish(req, RequestState.FAILED, error)
+            self.kv.clear(req.session)
+        self.drop_finished()
+
+    # -- ends --
+    def finish(self, req: Request, state: RequestState, error: HotloopError | None = None) -> None:
+        """The one way a request ends: its state, its session's counts, its stream's last item.
+
+        A reply's final chunk was sent when the reply ended (``_end_reply``); a warmup's is sent here.
+        """
+        if req.state is RequestState.WAITING:
+            req.session.pending -= 1
+        req.transition(state)
+        if error is not None:
+            req.stream.put(error)
+        elif state is RequestState.FINISHED:
+            if req.kind is RequestKind.WARMUP:
+                req.stream.put(final_chunk(req, "eos"))
+            else:
+                u = self.usage
+                u["turns"] += 1
+                u["prompt_tokens"] += req.usage.prompt_tokens
+                u["cached_tokens"] += req.usage.cached_tokens
+                u["restored_tokens"] += req.usage.restored_tokens
+
+    def end_session_request(self, s: Session, why: str) -> None:
+        """End whatever request holds ``s`` (its session is cleared or closed); a finished reply's
+        tail is not cached. A request still waiting for a closed session fails at admission."""
+        req = s.request
+        if req is None or not req.live:
+            return
+        if req.state is RequestState.CACHING_TAIL:
+            self.finish(req, RequestState.FINISHED)
+        else:
+            if req.state is RequestState.PREEMPTED:
+                self.kv.discard_saved(s)
+            self.finish(req, RequestState.CANCELLED, Cancelled(f"request cancelled: the session was {why}"))
+        self.drop_finished()
+        if req in self.waiting:
+            self.waiting.remove(req)
+
+    def fail_all(self, error: HotloopError) -> None:
+        """End every request with ``error`` (the engine stopped or failed)."""
+        for req in [*self.running, *self.waiting]:
+            if req.live:
+                self.finish(req, RequestState.FAILED, error)
+        self.running.clear()
+        self.waiting.clear()

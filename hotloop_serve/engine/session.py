@@ -60,18 +60,20 @@ class Session:
         self.phase = SessionPhase.NEW
         self.seq: int | None = None
         self.tokens: list[int] = []
+        """Tokens held in the cache (hot or evicted), position i at index i."""
         self.window_floor = 0
         """Lowest position whose sliding-window cells the cache still holds: above 0 after a
         restore (llama.cpp restores only the window of the last position), so the cache cannot
         be cut below ``window_floor + n_swa`` without a rebuild."""
-        """Tokens held in the cache (hot or evicted), position i at index i."""
         self.saved: KVBytes | None = None
         self.request: Request | None = None
         """The request holding the session (admitted, running or pre-empted)."""
         self.disk = False
         """A copy of its cache may be on disk (persistence): clearing or closing deletes it."""
         self.pending = 0
-        """Requests submitted but not yet admitted: the TTL never forgets a session one of them needs."""
+        """Requests the scheduler holds for it but has not admitted yet: the TTL never forgets a
+        session one of them needs. Written and read on the scheduler thread only (requests still
+        in the engine's inbox are checked there, under the engine's lock)."""
         self.last_used = time.monotonic()
         self.finished_at = 0.0
         """When its last reply ended (``perf_counter``; 0 once its next request came)."""

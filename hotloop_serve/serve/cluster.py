@@ -40,13 +40,6 @@ def attach(address: str, auth_mode: str | None = None) -> None:
         raise RuntimeError(f"Ray at {address} runs no Ray Serve (is hotloop-serve running there?): {e}") from e
 
 
-def detach() -> None:
-    import ray
-
-    if ray.is_initialized():
-        ray.shutdown()
-
-
 def serve_details() -> dict[str, Any]:
     from ray.serve.context import _get_global_client
 

@@ -32,6 +32,7 @@ from hotloop_serve.telemetry.setup import shutdown_telemetry
 log = logging.getLogger("ray.serve")
 
 TRANSFER_TIMEOUT_S = 3.0
+"""Longest wait for one session's transfer between replicas; past it the cache is rebuilt."""
 LIST_TIMEOUT_S = 10.0
 """How long ListSessions waits for each peer: Ray 2.60's handle router in a replica can miss a
 replacement replica for good (its long poll delivered one update, then none); a listing
@@ -41,7 +42,6 @@ SETTLING_S = 30.0
 count change), routers may still hash on other ranks than this replica computes (they poll
 the replicas' ranks); meanwhile a replica fetches every session it is asked about and does
 not hold, owner by its own reckoning or not."""
-"""Longest wait for one session's transfer between replicas; past it the cache is rebuilt."""
 
 
 def _running_by_app() -> dict[str, int]:

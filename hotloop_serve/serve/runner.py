@@ -25,25 +25,21 @@ RAY_SERVE_ENV = {
 }
 """How Ray runs here, set before it starts (its processes inherit them). On a CPU machine
 llama.cpp's threads keep every core busy, and each slice another process takes stalls them
-all at their next barrier (idle Ray beside an in-process engine costs it 6-10% of its tokens/s,
-``bench/stack.py`` row 2b), so:
+all at their next barrier (even idle, Ray beside an in-process engine costs it tokens/s), so:
 
-- Serve's control loop and metrics export run at 0.5 s and 1 s, not 0.1 s and 100 ms: at idle
-  Ray's loops cost 45 ms of CPU per second instead of 91. Failure detection, autoscaling and
-  deploys react up to 0.4 s later.
+- Serve's control loop and metrics export run at 0.5 s and 1 s, not 0.1 s and 100 ms: Ray's
+  loops then wake half as often at idle. Failure detection, autoscaling and deploys react up
+  to 0.4 s later.
 - Ray's worker processes (our replicas among them) run at nice 0, not Ray's 15: at 15 the
   engine yields its cores to every Ray daemon and client that wakes up.
-- Serve's proxies reach the replicas over gRPC, not Ray's actor calls: the proxy spends about a
-  fifth less CPU per streamed token (medians of 5 alternating runs of ``bench/stack.py``'s
-  full-stack row: 1.72 against 2.19 ms at 1 session, 1.39 against 1.74 at 8), at the same
-  tokens/s within that machine's noise (earlier, on a quieter one, 5 points more at 8
-  sessions). A replica that dies then shows as *unavailable*, not dead, so the session router
-  ranks it last for a while (``router.py``) and the SDKs retry Ray's "may or may not have been
-  executed" error before any text arrived; the replicas' gRPC message limit follows the
-  request limit (``app.REPLICA_MESSAGE_ENV``).
+- Serve's proxies reach the replicas over gRPC, not Ray's actor calls: the proxy spends less
+  CPU per streamed token, at the same tokens/s. A replica that dies then shows as
+  *unavailable*, not dead, so the session router ranks it last for a while (``router.py``) and
+  the SDKs retry Ray's "may or may not have been executed" error before any text arrived; the
+  replicas' gRPC message limit follows the request limit (``app.REPLICA_MESSAGE_ENV``).
 
-The first two measured against Ray's stock values in one run of ``bench/stack.py``, the third
-in alternating runs. Set in the environment to override (``RAY_SERVE_PROXY_USE_GRPC=0``: Ray's
+Each was measured against Ray's stock value with ``bench/stack.py`` (figures in
+``bench/README.md``). Set in the environment to override (``RAY_SERVE_PROXY_USE_GRPC=0``: Ray's
 actor calls); the Helm chart sets the same values (a test checks they agree).
 """
 
@@ -53,9 +49,9 @@ def oversubscribed_cores(config: Config, cores: int) -> str | None:
 
     A model whose ``engine.threads`` is 0 decodes with every core the process may use, so with
     more than one replica on a machine (a local server: every replica is here) their llama.cpp
-    threads stall each other at every barrier: two engines at 2 threads each on 2 cores made a
-    seventh of one engine's tokens/s at 8 sessions, at 1 thread each 1.14x
-    (``bench/threads.py`` row 3). Not fixed automatically: the thread count is part of the
+    threads stall each other at every barrier, and together they make far fewer tokens/s than
+    one engine alone; at a thread each they make more (``bench/threads.py`` row 3 measures
+    both). Not fixed automatically: the thread count is part of the
     replicas' code, so deriving it from the replica count would roll every replica on a scale
     change (``declarative.py``).
     """

@@ -28,11 +28,10 @@ pytestmark = pytest.mark.integration
 APP = "gemma-autoscale"
 SECRET = "autoscale-secret-0123456789abcdef"
 SESSIONS = 6
-LOADED_AFTER_SCALE_OUT_S = 15
-"""At least this long under load after the scale-out (the routers learn of the new replica)..."""
 TURNS_AFTER_SCALE_OUT = 2
-"""...and until every session has started this many turns since, however slow the machine (a
-first turn of 6 sessions at once takes 10-40 s on two shared cores)."""
+"""The load goes on until the new replica has served a turn and every session has started this
+many turns since the scale-out, however slow the machine (a first turn of 6 sessions at once
+takes 10-40 s on two shared cores): the routers have learnt of the new replica by then."""
 LOAD_TIMEOUT_S = 240
 GREEDY = Settings(temperature=0, sample_len=16, repeat_penalty=1.0)
 
@@ -143,9 +142,11 @@ def test_autoscaling_out_and_in_keeps_session_caches(autoscaled: Server) -> None
         def started_since(chat: Chat) -> int:
             return sum(1 for t in list(turns) if t.session == chat.index and t.started > scaled_out_at)
 
+        def served_by_new() -> bool:
+            return any(t.replica == second for t in list(turns))
+
         # The sessions the new replica owns come to it (fetched on first use).
-        time.sleep(LOADED_AFTER_SCALE_OUT_S)
-        while min(map(started_since, chats)) < TURNS_AFTER_SCALE_OUT and not failures:
+        while not failures and not (served_by_new() and min(map(started_since, chats)) >= TURNS_AFTER_SCALE_OUT):
             assert time.monotonic() - scaled_out_at < LOAD_TIMEOUT_S, [started_since(c) for c in chats]
             time.sleep(0.5)
         stop.set()

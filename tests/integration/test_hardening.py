@@ -33,6 +33,17 @@ TABLE: list[tuple[str, str, float]] = []
 USER = [common_pb2.Message(role=common_pb2.ROLE_USER, content="Say something about the sea.")]
 
 
+@pytest.fixture(scope="module", autouse=True)
+def report() -> Iterator[None]:
+    """Print the table of docs/reliability.md once the module's cases ran, whichever ran and in
+    whatever order (``pytest -s`` shows it)."""
+    yield
+    if TABLE:
+        print("\n| case | status | time to answer |\n|---|---|---:|")
+        for case, status, seconds in TABLE:
+            print(f"| {case} | `{status}` | {seconds * 1000:.0f} ms |")
+
+
 @pytest.fixture(scope="module")
 def channel(server: Server) -> Iterator[grpc.Channel]:
     with grpc.insecure_channel(server.address, options=[("grpc.max_send_message_length", 16 << 20)]) as ch:
@@ -297,10 +308,3 @@ def test_the_server_still_serves_and_nothing_leaks(sessions: Any) -> None:
     sid = new_session(sessions, sample_len=8, temperature=0)
     assert generate(sessions, sid)
     engine_idle()
-
-
-def test_zz_report() -> None:
-    """The table of docs/reliability.md (printed with ``pytest -s``)."""
-    print("\n| case | status | time to answer |\n|---|---|---:|")
-    for case, status, seconds in TABLE:
-        print(f"| {case} | `{status}` | {seconds * 1000:.0f} ms |")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import pytest
@@ -13,11 +13,46 @@ from hotloop_serve.engine import engine as engine_module
 from hotloop_serve.engine.chat_template import ChatMessage as M
 from hotloop_serve.engine.config import EngineOptions
 from hotloop_serve.engine.engine import Engine
-from hotloop_serve.engine.scheduler import BatchPlan
+from hotloop_serve.engine.model import Model
+from hotloop_serve.engine.runner import ModelRunner, Rows, StepOutput
+from hotloop_serve.engine.scheduler import Piece
 from hotloop_serve.engine.settings import SamplingSettings
 from hotloop_serve.errors import Cancelled, InvalidArgument, NotFound, OutOfRange, ResourceExhausted
 
 GREEDY = SamplingSettings(temperature=0, sample_len=24, repeat_penalty=1.0)
+
+
+StepHook = Callable[[Sequence[Piece]], None]
+DecodeHook = Callable[[Sequence[Piece], Rows], None]
+
+
+class RecordingRunner(ModelRunner):
+    """The real runner, watched: ``on_step`` sees each step's pieces before they run (and may
+    slow it: a slow device), ``on_decode`` each ``llama_decode``'s rows."""
+
+    def __init__(
+        self, model: Model, opts: EngineOptions, on_step: StepHook | None, on_decode: DecodeHook | None
+    ) -> None:
+        super().__init__(model, opts)
+        self.on_step = on_step
+        self.on_decode = on_decode
+
+    def execute(self, pieces: Sequence[Piece]) -> StepOutput:
+        if self.on_step is not None:
+            self.on_step(pieces)
+        return super().execute(pieces)
+
+    def decode(self, pieces: Sequence[Piece], rows: Rows) -> float | None:
+        if self.on_decode is not None:
+            self.on_decode(pieces, rows)
+        return super().decode(pieces, rows)
+
+
+def recording(
+    on_step: StepHook | None = None, on_decode: DecodeHook | None = None
+) -> Callable[[Model, EngineOptions], ModelRunner]:
+    """An ``Engine(runner=...)`` factory of :class:`RecordingRunner` with these hooks."""
+    return lambda model, opts: RecordingRunner(model, opts, on_step, on_decode)
 
 
 @pytest.fixture
@@ -101,17 +136,20 @@ def test_rows_that_make_logits_run_apart_from_prompt_rows_when_batch_invariant(
     """Each llama_decode's (step, decoder rows, prompt rows, logits wanted) while a prompt joins a decoder."""
     opts = EngineOptions(context_tokens=4096, session_context_tokens=1024, hot_sessions=4, batch_invariant=invariant)
     calls: list[tuple[int, int, int, int]] = []
-    with Engine(str(tiny_model), opts) as e:
-        run = e._run_batch
+    steps = [0]
 
-        def logged(decoded: list, chunks: list) -> float | None:  # type: ignore[type-arg]
-            wants = sum(r.state.name == "DECODING" for r in decoded) + sum(e._completes(r, n) for r, n in chunks)
-            calls.append((e._steps, len(decoded), sum(n for _, n in chunks), wants))
-            return run(decoded, chunks)
+    def logged(pieces: Sequence[Piece], rows: Rows) -> None:
+        decoders = sum(1 for i, _, _ in rows if pieces[i].decoding)
+        prompt = sum(n for i, _, n in rows if not pieces[i].decoding)
+        wants = sum(1 for i, start, n in rows if pieces[i].logits and start + n == len(pieces[i].tokens))
+        calls.append((steps[0], decoders, prompt, wants))
 
-        e._run_batch = logged  # type: ignore[method-assign]
+    def count(pieces: Sequence[Piece]) -> None:
+        steps[0] += 1
+
+    with Engine(str(tiny_model), opts, runner=recording(on_step=count, on_decode=logged)) as e:
         busy = e.generate("busy", "p", history(1), SamplingSettings(temperature=0, sample_len=400))
-        while e.stats().steps < 3:
+        while steps[0] < 4:
             time.sleep(0.005)
         reply = e.generate("quick", "p", history(), GREEDY.merged(sample_len=1)).result()
         busy.cancel()
@@ -121,7 +159,7 @@ def test_rows_that_make_logits_run_apart_from_prompt_rows_when_batch_invariant(
         assert mixed
         return
     assert not mixed  # decoders never share a llama_decode with a prompt's body
-    body = next(k for k, c in enumerate(calls) if c[1] == 0 and c[2] > 1 and c[0] >= 3)
+    body = next(k for k, c in enumerate(calls) if c[1] == 0 and c[2] > 1 and c[0] >= 4)
     # ...which ran first, then its last token beside the decoder, in the same step: the first
     # token still comes out of the step that prefilled the prompt.
     assert calls[body + 1][0] == calls[body][0]
@@ -426,12 +464,13 @@ def test_top_candidates_hold_the_top_k_ties_included() -> None:
 
 
 def test_calls_after_an_engine_failure_fail_fast(tiny_model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from hotloop_serve.engine import engine as engine_module
+    import llama_cpp as ll
+
     from hotloop_serve.errors import Unavailable
 
     with Engine(str(tiny_model), EngineOptions(context_tokens=2048, session_context_tokens=1024)) as e:
         e.create_session("s", "a")
-        monkeypatch.setattr(engine_module.ll, "llama_decode", lambda ctx, batch: -3)
+        monkeypatch.setattr(ll, "llama_decode", lambda ctx, batch: -3)
         with pytest.raises(Unavailable, match="failed"):
             e.generate("s", "a", history(), GREEDY).result()
         monkeypatch.undo()
@@ -475,19 +514,20 @@ def test_per_session_layout_serves_shared_prefixes_without_copying(tiny_model: P
     assert second.text == first.text
 
 
-def _log_steps(e: Engine, step_s: float) -> list[tuple[set[str], set[str]]]:
-    """Make each step last ``step_s`` (a slow device) and record its (decoding, prefilling) sessions."""
+def slow_logged_steps(
+    step_s: float,
+) -> tuple[Callable[[Model, EngineOptions], ModelRunner], Callable[[Engine], None], list[tuple[set[str], set[str]]]]:
+    """A runner whose steps last ``step_s`` more (a slow device) and record their (decoding,
+    prefilling) sessions; bind it to its engine once built (its KV manager names the sequences)."""
     log: list[tuple[set[str], set[str]]] = []
-    run = e._step
+    engines: list[Engine] = []
 
-    def logged(plan: BatchPlan) -> None:
-        running = list(e.scheduler.running)
-        log.append(({running[i].session.id for i in plan.decode}, {running[i].session.id for i, _ in plan.prefill}))
+    def logged(pieces: Sequence[Piece]) -> None:
+        hot = engines[0].kv.hot  # read on the scheduler thread, inside its step
+        log.append(({hot[p.seq].id for p in pieces if p.decoding}, {hot[p.seq].id for p in pieces if not p.decoding}))
         time.sleep(step_s)
-        run(plan)
 
-    e._step = logged  # type: ignore[method-assign]
-    return log
+    return recording(on_step=logged), engines.append, log
 
 
 @pytest.mark.parametrize("wait_ms", [50, 0])
@@ -496,8 +536,9 @@ def test_a_quick_clients_next_turn_joins_the_step_after_its_reply(
 ) -> None:
     monkeypatch.setattr(engine_module, "FOLLOWUP_WAIT_STEP_SHARE", 1e6)  # the cap is followup_wait_ms
     opts = EngineOptions(context_tokens=4096, session_context_tokens=1024, hot_sessions=4, followup_wait_ms=wait_ms)
-    with Engine(str(tiny_model), opts) as e:
-        log = _log_steps(e, step_s=0.03)
+    runner, bind, log = slow_logged_steps(step_s=0.03)
+    with Engine(str(tiny_model), opts, runner=runner) as e:
+        bind(e)
         busy = e.generate("busy", "p", history(1), SamplingSettings(temperature=0, sample_len=800))
         short = SamplingSettings(temperature=0, sample_len=3, repeat_penalty=1.0)
         reply = e.generate("quick", "p", history(), short).result()

@@ -8,11 +8,13 @@ from dataclasses import dataclass, field
 import pytest
 
 from hotloop_serve.engine.kv import KVManager, common_prefix
+from hotloop_serve.engine.output import Outcome
 from hotloop_serve.engine.requests import Request, RequestKind, RequestState
+from hotloop_serve.engine.runner import StepOutput
 from hotloop_serve.engine.scheduler import Scheduler
 from hotloop_serve.engine.session import KVBytes, Session, SessionPhase
 from hotloop_serve.engine.settings import SamplingSettings
-from hotloop_serve.errors import HotloopError
+from hotloop_serve.errors import ResourceExhausted
 
 
 @dataclass
@@ -214,30 +216,38 @@ def test_recurrent_models_only_reuse_whole_caches() -> None:
 # -- scheduler
 
 
-def make_scheduler(kv: KVManager, max_running: int = 4) -> tuple[Scheduler, list[tuple[Request, RequestState]]]:
-    ended: list[tuple[Request, RequestState]] = []
-
-    def end(req: Request, state: RequestState, error: HotloopError | None) -> None:
-        if req.state is RequestState.WAITING:
-            req.session.pending -= 1
-        req.transition(state)
-        ended.append((req, state))
-
-    sched = Scheduler(kv, max_running=max_running, batch_tokens=64, prefill_chunk=16, end=end)
-    return sched, ended
+def make_scheduler(kv: KVManager, max_running: int = 4, session_context: int = 1024) -> Scheduler:
+    return Scheduler(kv, max_running=max_running, batch_tokens=64, prefill_chunk=16, session_context=session_context)
 
 
-def submit(sched: Scheduler, s: Session, prompt_len: int, order: int) -> Request:
-    req = Request(RequestKind.GENERATE, s, list(range(prompt_len)), SamplingSettings(), lambda: None, order=order)
-    s.pending += 1
+def submit(sched: Scheduler, s: Session, prompt_len: int, order: int, sample_len: int = 16) -> Request:
+    settings = SamplingSettings(sample_len=sample_len)
+    req = Request(RequestKind.GENERATE, s, list(range(prompt_len)), settings, lambda: None, order=order)
     sched.add(req)
     return req
+
+
+def run_step(
+    sched: Scheduler, mem: FakeMemory, sampled: dict[Request, Outcome], refused: bool = False
+) -> list[Session]:
+    """One step as the engine runs it, with a fake runner: every piece enters the (fake) cache
+    unless ``refused``, and the requests in ``sampled`` get these outcomes for their rows."""
+    batch = sched.batch(sched.schedule())
+    for piece in batch.pieces if not refused else ():
+        mem.cells.setdefault(piece.seq, set()).update(range(piece.pos, piece.pos + len(piece.tokens)))
+    n = len(batch.pieces)
+    cached = (0,) * n if refused else tuple(len(p.tokens) for p in batch.pieces)
+    out = StepOutput(0.01, (None,) * n, cached, refused=refused)
+    outcomes = [
+        sampled.get(req) if piece.logits else None for req, piece in zip(batch.requests, batch.pieces, strict=True)
+    ]
+    return sched.update_from_output(batch, out, outcomes)
 
 
 def test_under_pressure_the_newest_running_request_is_preempted_and_resumes_first() -> None:
     mem = FakeMemory()
     kv = manager(mem, seqs=4, capacity=60)
-    sched, _ = make_scheduler(kv)
+    sched = make_scheduler(kv)
     a, b = session("a"), session("b")
     ra, rb = submit(sched, a, 20, 0), submit(sched, b, 20, 1)
     sched.schedule()
@@ -259,7 +269,7 @@ def test_under_pressure_the_newest_running_request_is_preempted_and_resumes_firs
 
 def test_a_request_waits_while_another_holds_its_session() -> None:
     kv = manager(FakeMemory(), seqs=4)
-    sched, _ = make_scheduler(kv)
+    sched = make_scheduler(kv)
     a = session("a")
     first, second = submit(sched, a, 10, 0), submit(sched, a, 12, 1)
     sched.schedule()
@@ -273,7 +283,7 @@ def test_a_request_waits_while_another_holds_its_session() -> None:
 def test_cancelling_a_preempted_request_frees_its_ram() -> None:
     mem = FakeMemory()
     kv = manager(mem, seqs=2, capacity=40)
-    sched, ended = make_scheduler(kv)
+    sched = make_scheduler(kv)
     a, b = session("a"), session("b")
     ra, rb = submit(sched, a, 10, 0), submit(sched, b, 10, 1)
     sched.schedule()
@@ -282,5 +292,41 @@ def test_cancelling_a_preempted_request_frees_its_ram() -> None:
     assert sched.preempt_newest() and kv.evicted.bytes == 10
     rb.cancel_requested = True
     sched.schedule()
-    assert (rb, RequestState.CANCELLED) in ended and kv.evicted.bytes == 0 and b.phase is SessionPhase.DROPPED
+    assert rb.state is RequestState.CANCELLED and kv.evicted.bytes == 0 and b.phase is SessionPhase.DROPPED
     assert ra.sampler is None and rb.sampler is None
+
+
+def test_a_step_commits_its_tokens_streams_the_outcome_and_ends_the_reply_in_the_scheduler() -> None:
+    mem = FakeMemory()
+    kv = manager(mem, seqs=2)
+    sched = make_scheduler(kv)
+    a = session("a")
+    req = submit(sched, a, 10, 0, sample_len=2)
+    assert a.pending == 1
+    req.generated = 1  # the output stage counts what it samples
+    assert run_step(sched, mem, {req: Outcome(5, "hi", None)}) == []
+    assert a.pending == 0 and len(a.tokens) == 10 and req.state is RequestState.DECODING and req.last_token == 5
+    req.generated = 2
+    ended = run_step(sched, mem, {req: Outcome(6, "!", None)})  # sample_len reached: its last token is cached next
+    assert ended == [a] and req.state is RequestState.CACHING_TAIL and a.finished_at > 0
+    run_step(sched, mem, {})
+    assert req.state is RequestState.FINISHED and a.tokens[-1] == 6 and sched.running == []
+    chunks = [c for c in req.stream]
+    assert [c.text for c in chunks] == ["hi!"] and chunks[-1].finish_reason == "length"
+    assert sched.usage["turns"] == 1 and sched.usage["prompt_tokens"] == 10
+
+
+def test_a_refused_step_preempts_the_newest_then_fails_a_request_alone() -> None:
+    mem = FakeMemory()
+    kv = manager(mem, seqs=2)
+    sched = make_scheduler(kv)
+    a, b = session("a"), session("b")
+    ra, rb = submit(sched, a, 10, 0), submit(sched, b, 10, 1)
+    run_step(sched, mem, {}, refused=True)
+    assert rb.state is RequestState.PREEMPTED and ra.state is RequestState.PREFILLING and a.tokens == []
+    assert sched.steps == 0 and sched.running == [ra]
+    rb.cancel_requested = True  # b gives up; a alone is refused again
+    run_step(sched, mem, {}, refused=True)
+    assert ra.state is RequestState.FAILED and sched.running == []
+    with pytest.raises(ResourceExhausted):
+        ra.stream.result()

@@ -45,7 +45,7 @@ def test_a_short_prompt_never_waits_behind_a_long_one() -> None:
 
 
 def test_the_last_prompt_token_rides_with_its_prompt() -> None:
-    # The engine, not the plan, decodes it apart when batch_invariant asks (Engine._step).
+    # The runner, not the plan, decodes it apart when batch_invariant asks (ModelRunner.execute).
     assert plan_batch([R(False, 20, True)], 512, 128).prefill == ((0, 20),)
 
 

@@ -224,6 +224,6 @@ def test_ram_overflow_spills_to_disk_and_clear_deletes_it(tiny_model: Path, tmp_
         e.clear_cache("a", "p")
         e.close_session("b", "p")
         settle(e)
-        time.sleep(0.2)
-        remaining = list(tmp_path.glob("*.session"))
-    assert remaining == [] or all(f.stat().st_size for f in remaining)
+    # Closing the engine waited for its disk writer, and wrote nothing: "a" holds no cache
+    # after its clear, "b" is gone. Both files were deleted, whatever their order.
+    assert list(tmp_path.glob("*.session")) == []
