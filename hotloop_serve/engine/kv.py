@@ -165,6 +165,10 @@ class LlamaKVMemory:
     def seq_rm(self, seq: int, p0: int, p1: int) -> bool:
         return bool(ll.llama_memory_seq_rm(self._mem, seq, p0, p1))
 
+    def pos_max(self, seq: int) -> int:
+        """The last position cached for ``seq`` (-1: none)."""
+        return int(ll.llama_memory_seq_pos_max(self._mem, seq))
+
     def seq_cp(self, src: int, dst: int, p0: int, p1: int) -> None:
         ll.llama_memory_seq_cp(self._mem, src, dst, p0, p1)
 

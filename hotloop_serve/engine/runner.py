@@ -34,6 +34,10 @@ Rows = list[tuple[int, int, int]]
 """One ``llama_decode``'s rows: (index of the piece, its first token in this batch, token count)."""
 _NO_ROOM = 1
 """``llama_decode``'s return code for "no room in the KV cache": recoverable (pre-empt, retry)."""
+_INVALID_BATCH = -1
+"""``llama_decode``'s return code for a batch it refused to start, e.g. a sequence whose cached
+positions do not continue at the batch's: nothing was computed; recoverable if the culprits are
+found (:attr:`StepOutput.inconsistent`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,6 +59,18 @@ class StepOutput:
     """Per piece, how many of its tokens are now in the cache: all of them, unless ``refused``."""
     refused: bool = False
     """llama.cpp found no room in the KV cache for (part of) the step."""
+    inconsistent: tuple[int, ...] = ()
+    """Pieces whose sequence's cache does not end where the piece starts: llama.cpp refused the
+    batch for them. The others are retried next step; these sessions' caches must be dropped."""
+
+
+class InconsistentPieces(Exception):
+    """``llama_decode`` refused a batch because these pieces' sequences do not continue there."""
+
+    def __init__(self, pieces: tuple[int, ...]) -> None:
+        super().__init__(f"pieces {pieces} do not continue their sequences")
+        self.pieces = pieces
+        self.cached: tuple[int, ...] = ()
 
 
 class ModelRunner:
@@ -79,6 +95,13 @@ class ModelRunner:
         prefill beside decoders; it keeps a follow-up's first token in the step that prefills
         its prompt.
         """
+        try:
+            return self._execute(pieces)
+        except InconsistentPieces as e:
+            log.error("llama.cpp refused a step: the caches of %d sequence(s) do not continue", len(e.pieces))
+            return StepOutput(0.0, (None,) * len(pieces), e.cached or (0,) * len(pieces), inconsistent=e.pieces)
+
+    def _execute(self, pieces: Sequence[Piece]) -> StepOutput:
         if self.batch_invariant:
             body = [len(p.tokens) - (1 if p.logits else 0) if not p.decoding else 0 for p in pieces]
             last = any(p.decoding or p.logits for p in pieces)
@@ -89,7 +112,11 @@ class ModelRunner:
                     return self._refused(pieces, [0] * len(pieces))
                 tails = [(i, body[i], len(p.tokens) - body[i]) for i, p in enumerate(pieces) if len(p.tokens) > body[i]]
                 second = _laid_out(pieces, tails)
-                rest = self.decode(pieces, second)
+                try:
+                    rest = self.decode(pieces, second)
+                except InconsistentPieces as e:
+                    e.cached = tuple(body)  # the first decode's rows are in the cache
+                    raise
                 if rest is None:
                     return self._refused(pieces, body)
                 return self._output(pieces, second, took + rest)
@@ -101,7 +128,8 @@ class ModelRunner:
 
     def decode(self, pieces: Sequence[Piece], rows: Rows) -> float | None:
         """One ``llama_decode`` of ``rows`` (piece, first token, count) in that order; the seconds
-        it took, or None when llama.cpp found no room. Any other failure is fatal (raised)."""
+        it took, or None when llama.cpp found no room. A batch refused for pieces whose cache does
+        not continue raises :class:`InconsistentPieces`; any other failure is fatal (raised)."""
         batch = self._batch
         n = 0
         for i, start, count in rows:
@@ -121,6 +149,12 @@ class ModelRunner:
         took = time.perf_counter() - t0
         if rc == _NO_ROOM:
             return None
+        if rc == _INVALID_BATCH:
+            culprits = tuple(
+                i for i in sorted({i for i, _, _ in rows}) if self.memory.pos_max(pieces[i].seq) != pieces[i].pos - 1
+            )
+            if culprits:
+                raise InconsistentPieces(culprits)
         if rc != 0:
             raise RuntimeError(f"llama_decode failed with {rc}")
         return took

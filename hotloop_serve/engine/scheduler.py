@@ -41,7 +41,7 @@ from hotloop_serve.engine.output import final_chunk
 from hotloop_serve.engine.requests import Request, RequestKind, RequestState
 from hotloop_serve.engine.session import Session, SessionPhase
 from hotloop_serve.engine.stream import Chunk
-from hotloop_serve.errors import Cancelled, HotloopError, NotFound, ResourceExhausted
+from hotloop_serve.errors import Cancelled, HotloopError, NotFound, ResourceExhausted, Unavailable
 
 if TYPE_CHECKING:
     from hotloop_serve.engine.output import Outcome
@@ -506,6 +506,9 @@ class Scheduler:
         its row (None where it had none). Returns the sessions whose reply ended this step (the
         engine may hold the next step for their next turn)."""
         self._commit(batch, out.cached)
+        if out.inconsistent:
+            self._inconsistent([batch.requests[i] for i in out.inconsistent])
+            return []
         if out.refused:
             self._refused()
             return []
@@ -567,6 +570,24 @@ class Scheduler:
             req.transition(RequestState.CACHING_TAIL)
         else:
             self.finish(req, RequestState.FINISHED)
+
+    def _inconsistent(self, requests: Sequence[Request]) -> None:
+        """llama.cpp refused a step because these requests' sessions' caches do not continue where
+        their tokens say (a bug, or a state that slipped past the import checks): drop those
+        caches and fail those requests with a retryable status; the rest run next step. The
+        session is rebuilt from its history on the retry; no other session is affected."""
+        for req in requests:
+            if req.live:
+                self.finish(
+                    req,
+                    RequestState.FAILED,
+                    Unavailable(
+                        "this session's cache on the replica was inconsistent and has been dropped; "
+                        "retry the turn (its history rebuilds the cache)"
+                    ),
+                )
+            self.kv.clear(req.session)
+        self.drop_finished()
 
     def _refused(self) -> None:
         """llama.cpp had no room for the step: pre-empt the newest request and retry next step, or,

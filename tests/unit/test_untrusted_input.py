@@ -30,7 +30,7 @@ from hotloop_serve.engine.grammar import (
 )
 from hotloop_serve.engine.kv_state import STATE_MAGIC, check_state
 from hotloop_serve.engine.persist import MAGIC, BlobKeys, SessionBlob, settings_to_dict
-from hotloop_serve.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
+from hotloop_serve.errors import FailedPrecondition, InvalidArgument, ResourceExhausted, Unavailable
 from hotloop_serve.serve.quotas import AnonymousSessions, PendingImports, caller_key
 
 GREEDY = SamplingSettings(temperature=0, sample_len=8, repeat_penalty=1.0)
@@ -369,3 +369,28 @@ def test_export_keys_come_first_and_short_ones_are_refused(monkeypatch: pytest.M
     monkeypatch.setenv("HOTLOOP_EXPORT_KEYS", "short")
     with pytest.raises(ValueError, match="at least 16 characters"):
         export_secrets(AuthConfig(), "the-session-secret-0123")
+
+
+def test_a_session_whose_cache_does_not_continue_fails_alone_and_rebuilds(tiny_model: Path) -> None:
+    """Defence behind the import checks: a sequence whose cached positions end before its tokens
+    say (here cut behind the engine's back) makes llama.cpp refuse the whole batch. The engine used
+    to die of it, failing every session; now only that session's turn fails, retryably, its cache
+    is dropped, the others' turns complete, and the retry rebuilds it from the history."""
+    with Engine(str(tiny_model), OPTS) as e:
+        first = [M("user", "one two three four five six")]
+        e.generate("bad", "p", first, GREEDY).result()
+        e.generate("good", "p", [M("user", "seven eight nine")], GREEDY).result()
+        while e.stats().active_requests:
+            time.sleep(0.01)
+        broken = e._sessions.get("bad")
+        assert broken is not None and broken.seq is not None
+        assert e.runner.memory.seq_rm(broken.seq, 5, -1)  # the engine still believes in all its tokens
+        follow = [*first, M("assistant", "x"), M("user", "and then?")]
+        bad = e.generate("bad", "p", follow, GREEDY)
+        good = e.generate("good", "p", [M("user", "seven eight nine"), M("assistant", "y"), M("user", "go")], GREEDY)
+        with pytest.raises(Unavailable, match="inconsistent"):
+            bad.result()
+        assert good.result().usage is not None
+        assert e.alive
+        retry = e.generate("bad", "p", follow, GREEDY).result()
+        assert retry.usage is not None and retry.usage.cached_tokens == 0
