@@ -14,11 +14,19 @@ One run measures, one server at a time, each started as a subprocess and stopped
   b. hotloop-serve with one replica;
   c. hotloop-serve with two replicas on the same machine (the cores are split between them);
   s. hotloop-serve with one replica and the engine's other prefill policy, ``shortest_first``
-     (the same-run baseline of the default ``fair`` one).
+     (the same-run baseline of the default ``fair`` one);
+  l. llama.cpp's own ``llama-server`` with 8 slots (``llama_server.py``: built once from the
+     installed llama-cpp-python's sdist, the same llama.cpp), through its OpenAI API;
+  h. hotloop-serve with one replica through its OpenAI HTTP API (the same client as ``l``).
+
+Workload presets (``--workload``): ``w1`` 8 sessions x 4 turns, ~1,800-token first prompts,
+48-token replies; ``w2`` 32 sessions x 3 turns over 8 slots, ~660-token first prompts, 32-token
+replies (both systems: a 32,768-token pool, 8 running at once, 4,096 tokens a session).
 
     .venv/bin/python bench/peer.py                 # default: 8 sessions x 4 turns, a, b, c
     .venv/bin/python bench/peer.py --quick         # smoke test (tiny workload)
     .venv/bin/python bench/peer.py --systems b,c --sessions 4
+    .venv/bin/python bench/peer.py --workload w2 --systems l,h,l,h   # alternating, the issue's W2
 
 Results go to ``bench/results/`` (``peer.md``, ``peer.json``, ``peer_ttft.png``; ``peer_quick.*``
 with ``--quick``). See bench/README.md for what every figure means.
@@ -44,6 +52,7 @@ from typing import Any
 # file is launched (``python bench/peer.py`` already has bench/ on sys.path; ``-m`` has not).
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import (
+    MODEL_NAME,
     READY_TIMEOUT_S,
     REQUEST_TIMEOUT_S,
     RESULTS,
@@ -59,9 +68,28 @@ from harness import (
     machine_facts,
     run_system,
 )
+from llama_server import LlamaServer
 from workload import SessionScript, Turn, Workload, WorkloadSpec, build_workload, describe, merge_system_prompt
 
 from hotloop_serve.serve.probe import free_port
+
+WORKLOADS = {
+    "w1": {"sessions": 8, "turns": 4, "sample_len": 48, "first_turn_words": 1370},
+    "w2": {"sessions": 32, "turns": 3, "sample_len": 32, "first_turn_words": 500},
+}
+"""The issue's workloads (first-turn words: about 1.32 Gemma tokens a word, with the system prompt)."""
+PEER_ENGINE = {"context_tokens": 32768, "session_context_tokens": 4096, "hot_sessions": 8}
+"""hotloop-serve's engine beside llama-server -np 8 -c 32768: the same pool and running width."""
+
+
+class HotloopHttpServer(HotloopServer):
+    """hotloop-serve driven through its OpenAI HTTP API, by the client llama-server gets."""
+
+    def conversation(self, script: SessionScript, spec: WorkloadSpec) -> Conversation:
+        from llama_server import OpenAIConversation
+
+        return OpenAIConversation(self.http_port, f"/{MODEL_NAME}/v1/chat/completions", MODEL_NAME, script.seed, spec)
+
 
 # ---------------------------------------------------------------------------------------
 # (a) llama-cpp-python's server
@@ -277,6 +305,15 @@ def markdown(results: list[SystemResult], workload: Workload, machine: dict[str,
         )
     by_key = {r.key: r.summary for r in results}
     lines.append("")
+    for ours in ("h", "b"):
+        if "l" in by_key and ours in by_key:
+            peer, x = by_key["l"], by_key[ours]
+            lines.append(
+                f"- ({ours}) vs (l) llama-server: wall {_ratio(peer['wall_s'], x['wall_s'])} (peer's / ours: > 1x "
+                f"is faster), first-turn TTFT median {_ratio(peer['first_ttft_median_s'], x['first_ttft_median_s'])}, "
+                f"follow-up TTFT median {_ratio(peer['followup_ttft_median_s'], x['followup_ttft_median_s'])}, "
+                f"p90 {_ratio(peer['followup_ttft_p90_s'], x['followup_ttft_p90_s'])} (each: peer's / ours)."
+            )
     for k in ("b", "c", "s"):
         if "a" in by_key and k in by_key:
             a, x = by_key["a"], by_key[k]
@@ -324,7 +361,7 @@ def decode_context(results: list[SystemResult]) -> int:
     tokens = weighted = 0
     for r in results:
         for t in r.turns:
-            if r.key in ("b", "c", "s") and t.error is None and t.reply.prompt_tokens is not None:
+            if r.key in ("b", "c", "s", "h") and t.error is None and t.reply.prompt_tokens is not None:
                 tokens += t.reply.tokens
                 weighted += t.reply.tokens * (t.reply.prompt_tokens + t.reply.tokens // 2)
     return weighted // tokens if tokens else 0
@@ -359,7 +396,11 @@ def roofline(
     ]
     for r in results:
         records = [t for t in r.turns if t.error is None]
-        if r.key not in ("b", "c", "s") or not records or any(t.reply.prefilled_tokens is None for t in records):
+        if (
+            r.key not in ("b", "c", "s", "h", "l")
+            or not records
+            or any(t.reply.prefilled_tokens is None for t in records)
+        ):
             continue
         prefill = sum(t.reply.prefilled_tokens or 0 for t in records)
         decode = sum(t.reply.tokens for t in records)
@@ -427,8 +468,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--systems",
         default="a,b,c",
-        help="which of a (peer), b (1 replica), c (2 replicas), s (1 replica, prefill_policy shortest_first)",
+        help="which of a (peer), b (1 replica), c (2 replicas), s (1 replica, prefill_policy shortest_first), "
+        "l (llama-server -np 8), h (1 replica, OpenAI HTTP); a key may repeat (alternating runs)",
     )
+    p.add_argument("--workload", choices=sorted(WORKLOADS), default=None, help="a preset (overrides the sizes)")
     p.add_argument("--quick", action="store_true", help="tiny workload (2 sessions x 2 turns) for a smoke test")
     p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)), help="CPU threads per server")
     p.add_argument("--out", type=Path, default=RESULTS, help="results folder (default bench/results)")
@@ -452,11 +495,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         # SIG_IGN, is reset to the default in the child; it also makes Ctrl-C work here.
         signal.signal(signal.SIGINT, signal.default_int_handler)
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
-    unknown = set(systems) - {"a", "b", "c", "s"}
+    unknown = set(systems) - {"a", "b", "c", "s", "l", "h"}
     if unknown or not systems:
-        print(f"--systems: unknown {sorted(unknown)}; pick from a,b,c,s", file=sys.stderr)
+        print(f"--systems: unknown {sorted(unknown)}; pick from a,b,c,s,l,h", file=sys.stderr)
         return 2
-    if args.quick:
+    if args.workload:
+        spec = WorkloadSpec(**WORKLOADS[args.workload])
+        prefix = args.tag or f"peer_{args.workload}"
+    elif args.quick:
         spec = WorkloadSpec(sessions=2, turns=2, sample_len=8, first_turn_words=150)
         prefix = args.tag or "peer_quick"
     else:
@@ -478,6 +524,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "b": lambda: HotloopServer("b", 1, args.threads),
         "c": lambda: HotloopServer("c", 2, args.threads),
         "s": lambda: HotloopServer("s", 1, args.threads, {"prefill_policy": "shortest_first"}),
+        "l": lambda: LlamaServer(model_path, args.threads, slots=8),
+        "h": lambda: HotloopHttpServer("h", 1, args.threads, PEER_ENGINE),
     }
     results: list[SystemResult] = []
     for key in systems:  # one server at a time: they would fight over the same cores

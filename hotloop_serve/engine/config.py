@@ -24,7 +24,14 @@ class EngineOptions:
     session_context_tokens: int = 8192
     """Most tokens one session may hold (prompt + reply); capped by the model's training context."""
     hot_sessions: int = 8
-    """Sessions whose KV stays in the context at once (llama.cpp's n_seq_max); the batch width."""
+    """Requests (turns) running at once: the batch width. Others wait in the engine's queue,
+    cheapest first (``scheduler.py``)."""
+    resident_sessions: int = 0
+    """Sessions whose KV may stay in the context at once (llama.cpp's n_seq_max). An idle session
+    keeps its cells while the pool has room, so its next turn restores nothing; idle sessions are
+    evicted to host RAM (least recently used first) only when cells or sequences run short.
+    0 = automatic: with the unified layout one per 512 cells of ``context_tokens``, at least
+    ``hot_sessions`` and at most 256; with ``per_session``, ``hot_sessions``."""
     max_sessions: int = 256
     """Sessions a replica keeps track of (hot, evicted to RAM or dropped)."""
     evicted_bytes: int = 2 * GiB
@@ -105,6 +112,11 @@ class EngineOptions:
             "session_context_tokens": 32 <= self.session_context_tokens <= self.context_tokens,
             "evicted_bytes": self.evicted_bytes >= 0,
             "hot_sessions": 1 <= self.hot_sessions <= 256,
+            "resident_sessions": self.resident_sessions == 0
+            or (
+                self.hot_sessions <= self.resident_sessions <= 256
+                and (self.kv_layout == "unified" or self.resident_sessions == self.hot_sessions)
+            ),
             "max_sessions": self.max_sessions >= self.hot_sessions,
             "max_queue": self.max_queue >= 0,
             "batch_tokens": 8 <= self.batch_tokens <= 8192 and self.batch_tokens >= self.hot_sessions,
@@ -126,3 +138,12 @@ class EngineOptions:
             raise ValueError(
                 f"invalid engine option {bad[0]}={getattr(self, bad[0])!r}: see EngineOptions.{bad[0]} for its range"
             )
+
+    @property
+    def sequences(self) -> int:
+        """llama.cpp sequences of the context: :attr:`resident_sessions`, resolved."""
+        if self.kv_layout == "per_session":
+            return self.hot_sessions
+        if self.resident_sessions:
+            return self.resident_sessions
+        return min(256, max(self.hot_sessions, self.context_tokens // 512))

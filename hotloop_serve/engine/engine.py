@@ -2,7 +2,8 @@
 
 Glossary (after llama.cpp's server and vLLM):
 - *session*: a conversation's cache, keyed by id, owned by a principal (``session.py``).
-- *sequence*: one of the context's ``hot_sessions`` KV sequences; a hot session holds one.
+- *sequence*: one of the context's KV sequences (``EngineOptions.sequences``); a hot session
+  (resident in the KV pool, running or idle) holds one.
 - *request*: one Generate or Warmup of a session, with an explicit state (``requests.py``).
 - *step*: the scheduler decides who runs with how many tokens and makes room
   (``scheduler.py``, ``kv.py``), the runner runs one ``llama_decode`` (``runner.py``), the
@@ -184,7 +185,7 @@ class Engine:
         self.output = OutputProcessor(self.model, self.runner.ctx)
         self.kv = KVManager(
             self.runner.memory,
-            sequences=opts.hot_sessions,
+            sequences=opts.sequences,
             capacity_tokens=opts.context_tokens,
             evicted_bytes=opts.evicted_bytes,
             shared_prefix_min_tokens=opts.shared_prefix_min_tokens,
@@ -216,7 +217,7 @@ class Engine:
         self._expected: dict[Session, float] = {}
         """Sessions whose reply just ended and whose client comes back quickly: until when the
         next step waits for their next turn (see ``EngineOptions.followup_wait_ms``)."""
-        self._stats = EngineStats(free_sequences=opts.hot_sessions)
+        self._stats = EngineStats(free_sequences=opts.sequences)
         self._thread = threading.Thread(target=self._run, name="hotloop-scheduler", daemon=True)
         self._thread.start()
 

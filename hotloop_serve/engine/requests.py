@@ -82,6 +82,7 @@ class Request:
     __slots__ = (
         "assembler",
         "cancel_requested",
+        "cost",
         "disk",
         "generated",
         "kind",
@@ -134,6 +135,9 @@ class Request:
         """A persisted cache of the session (tokens, KV) to restore at admission, read off-thread."""
         self.resume_token: int | None = None
         """A pre-empted reply whose KV could not be restored re-prefills its tokens, then decodes this."""
+        self.cost = len(prompt)
+        """Estimated prompt tokens to compute at admission (set by the scheduler as it queues the
+        request: what the session's cache does not hold): the admission order's main key."""
         self.t_submit = time.perf_counter()
         self.t_admit = 0.0
         self.t_first = 0.0

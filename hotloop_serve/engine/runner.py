@@ -199,7 +199,7 @@ def _create_context(model: Model, opts: EngineOptions) -> ll.llama_context_p:
     params = ll.llama_context_default_params()
     params.n_ctx = opts.context_tokens
     params.n_batch = params.n_ubatch = opts.batch_tokens
-    params.n_seq_max = opts.hot_sessions
+    params.n_seq_max = opts.sequences
     if opts.threads:
         threads = opts.threads
         log.info("llama.cpp decodes with %d threads (engine.threads)", threads)

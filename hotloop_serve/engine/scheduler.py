@@ -9,7 +9,12 @@ moves requests through their state machine (``requests.py``) and asks the KV man
 
 Rules, in order of precedence:
 
-- **Admission**: oldest first; pre-empted requests come back before new ones. A request
+- **Admission**: pre-empted requests come back first (oldest first); the others go cheapest
+  first, by the prompt tokens their session's cache does not hold (a follow-up whose history is
+  cached costs its new message, a first turn its whole prompt), aged so nothing starves: each
+  second waited takes off what a second of prefill computes (:meth:`Scheduler.admission_key`).
+  So a cheap follow-up does not queue behind a burst of first turns, and a first turn waits at
+  most about its own prefill time longer than strict arrival order would make it. A request
   waits while its session is held by another request, while the batch is full, or while no
   sequence or room for its prompt can be had by evicting idle sessions. When nothing else
   runs it is admitted anyway (a session always fits an empty pool).
@@ -103,6 +108,15 @@ class PrefillPacer:
 
     def _mix(self, old: float | None, new: float) -> float:
         return new if old is None else old + self.WEIGHT * (new - old)
+
+    DEFAULT_PREFILL_RATE = 500.0
+    """Prompt tokens a second, until measured (two CPU cores do several hundred for a 270M model)."""
+
+    def prefill_rate(self) -> float:
+        """Prompt tokens a second, as measured (the admission order's ageing rate)."""
+        if self.per_token_s is None or self.per_token_s <= 0:
+            return self.DEFAULT_PREFILL_RATE
+        return 1.0 / self.per_token_s
 
     def budget(self) -> int:
         """Prefill tokens for the next step with decoders in it."""
@@ -305,7 +319,26 @@ class Scheduler:
     def add(self, req: Request) -> None:
         """Queue a submitted request; its session counts it as pending until it is admitted or ends."""
         req.session.pending += 1
+        req.cost = self.estimated_cost(req)
         self.waiting.append(req)
+
+    def estimated_cost(self, req: Request) -> int:
+        """Prompt tokens to compute if ``req`` were admitted now: what neither the KV pool nor host
+        RAM holds of it (a restore from RAM costs a copy, not a prefill; a file from the disk
+        tier a read)."""
+        s = req.session
+        if req.disk is not None:
+            return len(req.prompt) - common_prefix(req.disk[0], req.prompt)
+        if s.phase in (SessionPhase.HOT, SessionPhase.EVICTED) and s.tokens:
+            return len(req.prompt) - common_prefix(s.tokens, req.prompt)
+        return len(req.prompt)
+
+    def admission_key(self, req: Request, now: float) -> tuple[int, float, int]:
+        """Pre-empted first (oldest first); then estimated cost minus what the prefill computes in
+        the time the request has waited (cheapest first, aged), then arrival order."""
+        if req.state is RequestState.PREEMPTED:
+            return (0, 0.0, req.order)
+        return (1, req.cost - (now - req.t_submit) * self.pacer.prefill_rate(), req.order)
 
     # -- what the engine reads --
     @property
@@ -386,6 +419,9 @@ class Scheduler:
 
     def admit(self) -> None:
         still: deque[Request] = deque()
+        if len(self.waiting) > 1:
+            now = time.perf_counter()
+            self.waiting = deque(sorted(self.waiting, key=lambda r: self.admission_key(r, now)))
         while self.waiting:
             req = self.waiting.popleft()
             s = req.session

@@ -330,3 +330,39 @@ def test_a_refused_step_preempts_the_newest_then_fails_a_request_alone() -> None
     assert ra.state is RequestState.FAILED and sched.running == []
     with pytest.raises(ResourceExhausted):
         ra.stream.result()
+
+
+def test_a_cached_follow_up_is_admitted_before_cold_first_turns_that_came_first() -> None:
+    """With every slot busy, a follow-up whose history is cached (it costs its new message) goes
+    ahead of first turns queued before it (each costs its whole prompt): FIFO made it wait for all
+    of them (issue 38, W2: a ~0.3 s follow-up waited 31 s at the median)."""
+    mem = FakeMemory()
+    kv = manager(mem, seqs=8, capacity=10_000)
+    sched = make_scheduler(kv, max_running=1)
+    old = session("old")
+    running = submit(sched, session("busy"), 10, 0)
+    sched.schedule()
+    assert sched.running == [running]
+    # "old" was served before: its first 300 tokens are cached (hot, idle).
+    assert kv.acquire(old)
+    mem.fill(old, 300)
+    cold = [submit(sched, session(f"new{i}"), 600, 1 + i) for i in range(3)]
+    follow = submit(sched, old, 310, 10)
+    assert follow.cost == 10 and all(r.cost == 600 for r in cold)
+    running.cancel_requested = True
+    sched.schedule()
+    assert sched.running == [follow]
+    assert [r for r in sched.waiting] == cold  # the cold ones keep their arrival order
+
+
+def test_ageing_lets_a_long_waiting_first_turn_go_before_newer_cheap_ones() -> None:
+    kv = manager(FakeMemory(), seqs=8, capacity=10_000)
+    sched = make_scheduler(kv, max_running=1)
+    busy = submit(sched, session("busy"), 10, 0)
+    sched.schedule()
+    cold = submit(sched, session("cold"), 600, 1)
+    cold.t_submit -= 600 / sched.pacer.prefill_rate() + 1.0  # it waited longer than its own prefill
+    cheap = submit(sched, session("cheap"), 20, 2)
+    busy.cancel_requested = True
+    sched.schedule()
+    assert sched.running == [cold] and list(sched.waiting) == [cheap]
