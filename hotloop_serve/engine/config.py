@@ -55,13 +55,14 @@ class EngineOptions:
     scripted chats): the new turn then starts in that step instead of a whole step later (on
     two CPU cores a step is 0.2-0.5 s). A session whose client took longer is not waited for
     until it comes back that fast again, so human-paced chats cost nothing. 0 = never wait."""
-    prefill_policy: str = "fair"
-    """How prompts share a step's prefill budget. ``fair``: long prompts get equal shares, so
-    sessions whose first turns arrive together finish prefilling together and then decode in
-    the same, wide steps (the best throughput for a burst of new chats; bench/peer.py); prompts
-    of at most ``prefill_chunk / 2`` tokens (follow-up messages) still go first. ``shortest_first``:
-    the prompt closest to done first (lower mean first-token time for a burst, but the sessions
-    then decode out of step, in narrower batches)."""
+    prefill_policy: str = "shortest_first"
+    """How prompts share a step's prefill budget. ``shortest_first`` (the default): the prompt
+    nearest to done takes all it needs, the next ones what is left (shortest remaining processing
+    time: for a burst of first turns the mean time to first token is lowest, for the same work;
+    a follow-up message is always the shortest). ``fair``: long prompts get equal shares, so
+    sessions whose first turns arrive together finish prefilling together and then decode in the
+    same, wide steps; prompts of at most ``prefill_chunk / 2`` tokens still go first. Measured
+    against llama.cpp's own server in bench/peer.py (``--workload w1``)."""
     shared_prefix_min_tokens: int = 16
     """Shortest common prefix worth copying from another session of the same owner."""
     threads: int = 0

@@ -137,7 +137,8 @@ def plan_batch(
 
     ``paced_budget``: prefill tokens allowed beside decoders (:class:`PrefillPacer`); by
     default ``prefill_chunk``.
-    ``fair=False``: shortest remaining prompt first, each up to ``prefill_chunk`` per step.
+    ``fair=False``: shortest remaining prompt first, each taking all it needs of the budget left
+    (the batch filled across prompts).
     ``fair=True`` (see :func:`_share_long_prompts`): short prompts (at most ``prefill_chunk / 2``
     tokens: follow-up messages) first and in full (the first of them even past the paced
     budget: a follow-up split over two steps costs its user a step), but while nobody decodes
@@ -178,10 +179,13 @@ def plan_batch(
         long = [i for i in waiting if i not in short]
         prefill += _share_long_prompts([(i, needs[i]) for i in long], min(budget, room), cap)
         return BatchPlan(decode, tuple(prefill))
+    # Shortest remaining first, each taking all it needs of what is left (SRPT): the prompt
+    # nearest to done finishes first, then decodes beside the next one's prefill; the batch is
+    # filled across prompts. (Processor sharing would finish them all late for the same work.)
     for i in waiting:
         if budget <= 0:
             break
-        take = min(needs[i], budget, cap)
+        take = min(needs[i], budget)
         prefill.append((i, take))
         budget -= take
     return BatchPlan(decode, tuple(prefill))
@@ -400,6 +404,10 @@ class Scheduler:
 
     def _plan(self) -> BatchPlan:
         paced = self.pacer.budget()
+        if self.waiting or sum(1 for r in self.running if not r.decoding and r.prefill_remaining > 0) > 1:
+            # Prompts queue: pacing would keep the decoders' steps short while every queued
+            # prompt, and every session behind it, waits; throughput first (whole batches).
+            paced = self.batch_tokens
         return plan_batch(self.running, self.batch_tokens, self.prefill_chunk, paced, self.fair_prefill)
 
     def _make_room(self, tokens: int) -> bool:

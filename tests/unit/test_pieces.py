@@ -105,9 +105,11 @@ def test_follow_ups_arriving_together_start_one_per_step_until_someone_decodes()
     assert plan_batch(wave, 512, 128, paced_budget=60).prefill == ((1, 22), (2, 22), (3, 16))
 
 
-def test_shortest_first_lets_the_nearest_to_done_prompts_take_whole_chunks() -> None:
+def test_shortest_first_gives_the_nearest_to_done_prompt_all_it_needs_and_fills_the_batch() -> None:
     plan = plan_batch([R(False, 300)] * 5, batch_tokens=512, prefill_chunk=128, fair=False)
-    assert plan.prefill == ((0, 128), (1, 128), (2, 128), (3, 128))
+    assert plan.prefill == ((0, 300), (1, 212))
+    plan = plan_batch([R(False, 900), R(False, 20, True), R(False, 300)], 512, 128, fair=False)
+    assert plan.prefill == ((1, 20), (2, 300), (0, 192))
     plan = plan_batch([R(True, 0), R(False, 1000), R(False, 900)], 512, 128, paced_budget=40, fair=False)
     assert plan.prefill == ((2, 40),)
 
