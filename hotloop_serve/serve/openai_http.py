@@ -201,7 +201,7 @@ class HttpModelReplica(ModelReplica):
             req = oa.parse_request(await self._body(request))
             session, traceparent = request.headers.get(oa.SESSION_HEADER), request.headers.get("traceparent")
             if req.model == self.model.name:
-                items = self._dispatch(req, principal, session, traceparent)
+                items = await self._dispatch(req, principal, session, traceparent)
             elif req.model in {m.name for m in self.config.models}:
                 # Another model of this server: its own application plans and routes the turn.
                 other = serve.get_deployment_handle(req.model, req.model)
@@ -234,12 +234,16 @@ class HttpModelReplica(ModelReplica):
             )
         return await _collect(cid, req.model, first, items)
 
-    def _dispatch(
+    async def _dispatch(
         self, req: oa.ChatCompletionRequest, principal: str, session: str | None, traceparent: str | None
     ) -> Any:
         """Plan a turn of this model and hand it to its conversation's owner: the stream of its items."""
         messages = oa.messages_of(req, self.model.limits.max_messages)
-        settings = oa.settings_of(req, self.engine.defaults)
+        if req.response_format is not None or req.grammar:
+            # Converting and bounding a schema or grammar takes milliseconds: off the event loop.
+            settings = await asyncio.to_thread(oa.settings_of, req, self.engine.defaults)
+        else:
+            settings = oa.settings_of(req, self.engine.defaults)
         key = oa.conversation_key(principal, req.model, messages, session)
         call = oa.ChatCall(key, principal, messages, settings, traceparent)
         handle = serve.get_deployment_handle(self._deployment, self._app)
@@ -251,7 +255,7 @@ class HttpModelReplica(ModelReplica):
         """A turn for this model received by another model's endpoint (already authenticated)."""
         items = None
         try:
-            items = self._dispatch(req, principal, session, traceparent)
+            items = await self._dispatch(req, principal, session, traceparent)
             async for item in items:
                 yield item
         except HotloopError as e:
