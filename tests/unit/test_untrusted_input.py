@@ -311,7 +311,7 @@ def test_check_state_accepts_what_the_engine_exports(gemma_model: Path) -> None:
     with Engine(str(gemma_model), OPTS, blob_keys=KEYS) as e:
         for words in (3, 300):  # 300 words: past Gemma's 512-token window, two caches differ
             blob = SessionBlob.decode(_exported(e, f"s{words}", "word " * words), e.fingerprint, KEYS)
-            layout = e._memory.layout
+            layout = e.runner.memory.layout
             assert layout is not None and len(layout.caches) == 2
             check_state(blob.kv, len(blob.tokens), layout)
 
