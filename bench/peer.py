@@ -78,8 +78,9 @@ WORKLOADS = {
     "w2": {"sessions": 32, "turns": 3, "sample_len": 32, "first_turn_words": 500},
 }
 """The issue's workloads (first-turn words: about 1.32 Gemma tokens a word, with the system prompt)."""
-PEER_ENGINE = {"context_tokens": 32768, "session_context_tokens": 4096, "hot_sessions": 8}
-"""hotloop-serve's engine beside llama-server -np 8 -c 32768: the same pool and running width."""
+PEER_ENGINE = {"context_tokens": 32768, "session_context_tokens": 4096, "hot_sessions": 8, "resident_sessions": 64}
+"""hotloop-serve's engine beside llama-server -np 8 -c 32768: the same pool and running width, and
+idle sessions kept resident in the pool (llama-server keeps each slot's prompt, and the rest in RAM)."""
 
 
 class HotloopHttpServer(HotloopServer):

@@ -27,11 +27,10 @@ class EngineOptions:
     """Requests (turns) running at once: the batch width. Others wait in the engine's queue,
     cheapest first (``scheduler.py``)."""
     resident_sessions: int = 0
-    """Sessions whose KV may stay in the context at once (llama.cpp's n_seq_max). An idle session
-    keeps its cells while the pool has room, so its next turn restores nothing; idle sessions are
-    evicted to host RAM (least recently used first) only when cells or sequences run short.
-    0 = automatic: with the unified layout one per 512 cells of ``context_tokens``, at least
-    ``hot_sessions`` and at most 256; with ``per_session``, ``hot_sessions``."""
+    """Sessions whose KV may stay in the context at once (llama.cpp's n_seq_max; 0 = ``hot_sessions``).
+    Above ``hot_sessions`` (unified layout only), an idle session keeps its cells while the pool
+    has room, so its next turn restores nothing; idle sessions are evicted to host RAM (least
+    recently used first) only when cells or sequences run short. At most 256."""
     max_sessions: int = 256
     """Sessions a replica keeps track of (hot, evicted to RAM or dropped)."""
     evicted_bytes: int = 2 * GiB
@@ -143,8 +142,6 @@ class EngineOptions:
     @property
     def sequences(self) -> int:
         """llama.cpp sequences of the context: :attr:`resident_sessions`, resolved."""
-        if self.kv_layout == "per_session":
+        if self.kv_layout == "per_session" or not self.resident_sessions:
             return self.hot_sessions
-        if self.resident_sessions:
-            return self.resident_sessions
-        return min(256, max(self.hot_sessions, self.context_tokens // 512))
+        return self.resident_sessions

@@ -570,3 +570,17 @@ def test_a_slow_client_is_timed_and_its_turn_still_served(tiny_model: Path, monk
         slow = e._sessions.get("slow")
         assert slow is not None and slow.return_s is not None and slow.return_s >= 0.12
         busy.cancel()
+
+
+def test_resident_sessions_keep_idle_caches_in_the_pool_beyond_the_running_width(tiny_model: Path) -> None:
+    """One request runs at a time, but four sessions stay resident: taking turns evicts nobody,
+    and each follow-up finds its whole history hot (no restore, no prefill of the past)."""
+    opts = EngineOptions(context_tokens=4096, session_context_tokens=1024, hot_sessions=1, resident_sessions=4)
+    with Engine(str(tiny_model), opts) as e:
+        for name in ("a", "b", "c"):
+            e.generate(name, "p", history(), GREEDY).result()
+            settle(e)
+        assert [e.session_info(n, "p").state for n in ("a", "b", "c")] == ["hot", "hot", "hot"]
+        follow = e.generate("a", "p", [*history(), M("assistant", "ok"), M("user", "more")], GREEDY).result()
+        assert follow.usage is not None and follow.usage.restored_tokens == 0 and follow.usage.cached_tokens > 0
+        assert e.stats().evictions == 0
