@@ -352,7 +352,7 @@ class ModelReplica(ModelServicer):
                 await asyncio.to_thread(self.engine.import_session, sid, principal, given)
                 self.fleet["fetched"] += 1
             elif isinstance(given, SamplingSettings):  # no cache anywhere, but the settings survived
-                self.engine.create_session(sid, principal, given)
+                await asyncio.to_thread(self.engine.create_session, sid, principal, given)
                 self.settings_changed(sid, principal, given)
         except HotloopError as e:  # a foreign or damaged copy: the history rebuilds the cache
             self.fleet["fetch_failures"] += 1

@@ -207,7 +207,7 @@ class ModelServicer:
             await self.adopt_from_previous_owner(sid, tenant)
             remembered = self.recall_settings(sid, tenant) if not self.engine.known(sid) else None
             if remembered is not None:  # its owner is gone: keep the settings its creator chose
-                self.engine.create_session(sid, tenant, remembered)
+                await asyncio.to_thread(self.engine.create_session, sid, tenant, remembered)
         return sid
 
     async def adopt_from_previous_owner(self, sid: str, principal: str) -> None:
