@@ -40,6 +40,7 @@ from hotloop_serve.engine.stream import RequestStream
 from hotloop_serve.errors import HotloopError, NotFound, ResourceExhausted, Unavailable
 from hotloop_serve.serve import openai_schema as oa
 from hotloop_serve.serve.deployment import ModelReplica
+from hotloop_serve.serve.openai_tools import ReplyCalls, chat_tools, constrain
 from hotloop_serve.serve.servicer import _submit
 
 log = logging.getLogger("ray.serve")
@@ -90,9 +91,30 @@ def _as_error(error: dict[str, Any]) -> HotloopError:
     return e
 
 
+def _join_calls(calls: list[dict[str, Any]], pieces: list[dict[str, Any]]) -> None:
+    """Add an item's call pieces to the calls so far (OpenAI's ``tool_calls`` shape)."""
+    for piece in pieces:
+        if "id" in piece:
+            calls.append({"id": piece["id"], "type": "function", "function": {"name": piece["name"], "arguments": ""}})
+        calls[piece["index"]]["function"]["arguments"] += piece["arguments"]
+
+
+def _call_deltas(pieces: list[dict[str, Any]]) -> dict[str, Any]:
+    """An item's call pieces as a chunk's ``delta.tool_calls`` (id, type and name on a call's first)."""
+    out = []
+    for piece in pieces:
+        delta: dict[str, Any] = {"index": piece["index"], "function": {"arguments": piece["arguments"]}}
+        if "id" in piece:
+            delta.update(id=piece["id"], type="function")
+            delta["function"]["name"] = piece["name"]
+        out.append(delta)
+    return {"tool_calls": out}
+
+
 async def _collect(cid: str, model: str, first: dict[str, Any], items: Any) -> Response:
     """A non-streaming reply: every item joined into one ``chat.completion``."""
     text: list[str] = []
+    calls: list[dict[str, Any]] = []
     logprobs: list[dict[str, Any]] | None = None
     item = first
     try:
@@ -100,6 +122,8 @@ async def _collect(cid: str, model: str, first: dict[str, Any], items: Any) -> R
             if "error" in item:
                 return error_response(_as_error(item["error"]))
             text.append(item["text"])
+            if "tool_calls" in item:
+                _join_calls(calls, item["tool_calls"])
             if "logprobs" in item:
                 logprobs = logprobs or []
                 logprobs.extend(item["logprobs"])
@@ -109,6 +133,10 @@ async def _collect(cid: str, model: str, first: dict[str, Any], items: Any) -> R
     finally:  # the client left (Ray cancels this task), or an error: stop the turn on its replica
         items.cancel()
     body = oa.completion_json(cid, model, "".join(text), item["finish_reason"], logprobs, item["usage"])
+    if calls:
+        message = body["choices"][0]["message"]
+        message["tool_calls"] = calls
+        message["content"] = message["content"] or None
     body["hotloop"] = item["hotloop"]
     return JSONResponse(body)
 
@@ -128,6 +156,8 @@ async def _events(cid: str, model: str, first: dict[str, Any], items: Any, inclu
             lp = item.get("logprobs")
             if item["text"] or lp:
                 yield _sse(oa.chunk_json(cid, model, created, {"content": item["text"]}, logprobs=lp))
+            if "tool_calls" in item:
+                yield _sse(oa.chunk_json(cid, model, created, _call_deltas(item["tool_calls"])))
             if "finish_reason" in item:
                 last = oa.chunk_json(cid, model, created, {}, item["finish_reason"])
                 last["hotloop"] = item["hotloop"]
@@ -240,8 +270,11 @@ class HttpModelReplica(ModelReplica):
         """Plan a turn of this model and hand it to its conversation's owner: the stream of its items."""
         messages = oa.messages_of(req, self.model.limits.max_messages)
         settings = oa.settings_of(req, self.engine.defaults)
+        tools, choice, parallel = chat_tools(req)
+        settings = constrain(settings, self.engine.template.tool_format, tools, choice, parallel)
         key = oa.conversation_key(principal, req.model, messages, session)
-        call = oa.ChatCall(key, principal, messages, settings, traceparent)
+        parse = choice if tools and choice.calls else None
+        call = oa.ChatCall(key, principal, messages, settings, traceparent, tools, parse)
         handle = serve.get_deployment_handle(self._deployment, self._app)
         return handle.options(stream=True, session_id=key).OpenAIChat.remote(call)
 
@@ -283,7 +316,7 @@ class HttpModelReplica(ModelReplica):
         return False
 
     async def _start(self, sid: str, call: oa.ChatCall) -> RequestStream:
-        submit = functools.partial(self.engine.generate, sid, call.principal, call.messages, call.settings)
+        submit = functools.partial(self.engine.generate, sid, call.principal, call.messages, call.settings, call.tools)
         try:
             return await _submit(submit)
         except ResourceExhausted:
@@ -308,19 +341,26 @@ class HttpModelReplica(ModelReplica):
                 span.set_attribute("hotloop.session_id", sid)
                 t0 = time.perf_counter()
                 stream = await self._start(sid, call)
+                fmt = self.engine.template.tool_format
+                calls = ReplyCalls(fmt, call.tools, call.tool_choice) if call.tool_choice and fmt else None
                 first = True
                 async for chunk in stream:
                     if first:
                         self.telemetry.first_token(span, time.perf_counter() - t0)
                         first = False
-                    item: dict[str, Any] = {"text": chunk.text}
+                    item: dict[str, Any] = (
+                        calls.item(chunk.text, chunk.final) if calls is not None else {"text": chunk.text}
+                    )
                     if chunk.logprobs is not None:
                         item["logprobs"] = [oa.logprob_json(lp) for lp in chunk.logprobs]
                     if chunk.final:
                         self.telemetry.record_usage(span, chunk, "Generate")
                         u = chunk.usage
                         assert u is not None and chunk.finish_reason is not None
-                        item["finish_reason"] = oa.FINISH_REASONS[chunk.finish_reason]
+                        reason = oa.FINISH_REASONS[chunk.finish_reason]
+                        if calls is not None:
+                            reason = calls.finish_reason(chunk.finish_reason, reason)
+                        item["finish_reason"] = reason
                         item["usage"] = {
                             "prompt_tokens": u.prompt_tokens,
                             "completion_tokens": u.completion_tokens,
