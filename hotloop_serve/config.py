@@ -75,6 +75,10 @@ class Limits(_Strict):
     max_messages: Annotated[int, Field(ge=1)] = 1024
     max_sample_len: Annotated[int, Field(ge=1)] = 4096
     sessions_per_principal: Annotated[int, Field(ge=1)] = 64
+    responses_per_principal: Annotated[int, Field(ge=1)] = 1000
+    """Stored responses (``/v1/responses`` with ``store``) a principal may keep on a replica."""
+    response_bytes_per_principal: Annotated[int, Field(ge=1024)] = 64 * 1024 * 1024
+    """Bytes of stored input and output items a principal may keep on a replica."""
 
 
 class Routing(_Strict):

@@ -19,7 +19,7 @@ from hotloop_serve.engine.grammar import schema_to_grammar
 from hotloop_serve.engine.settings import MAX_GRAMMAR_BYTES, SamplingSettings
 from hotloop_serve.engine.tool_grammar import tool_grammar
 from hotloop_serve.engine.tool_parser import Parsed, ToolCallParser
-from hotloop_serve.engine.tools import TOOL_NAME, ToolChoice, ToolFormat, ToolSpec
+from hotloop_serve.engine.tools import TOOL_NAME, ToolCall, ToolChoice, ToolFormat, ToolSpec
 from hotloop_serve.errors import InvalidArgument
 from hotloop_serve.serve.openai_schema import ChatCompletionRequest, NamedToolChoice
 
@@ -121,6 +121,11 @@ class ReplyCalls:
         if final:
             parsed.extend(self._parser.finish())
         return item_of(parsed)
+
+    @property
+    def calls(self) -> list[ToolCall]:
+        """The reply's calls so far (the last one may still be growing)."""
+        return self._parser.calls
 
     def finish_reason(self, engine_reason: str, default: str) -> str:
         """``tool_calls`` for a reply that ended after complete calls; else the usual reason."""
