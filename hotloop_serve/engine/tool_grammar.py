@@ -6,6 +6,9 @@ joined under one call rule that spells the format's envelope literally (``tools.
 the model only chooses the function and the arguments).
 
 - ``required`` (or a named function): the reply is the calls, nothing else.
+- ``auto`` with a response format (a JSON Schema for the answer): the reply is that JSON, or the
+  calls. The format never starts with a trigger of ours except llama3's ``{"name"``, which then
+  reads as a call (the grammar still makes it one).
 - ``auto``: the reply is free text, or text and then calls. A small model cannot be trusted to
   finish a call it starts, so the text part is a grammar of its own: any text that does not
   contain the format's trigger (a KMP automaton over the trigger, one rule per matched prefix).
@@ -125,8 +128,11 @@ def avoiding(trigger: str, then: str, prefix: str = "text") -> list[str]:
     return rules
 
 
-def tool_grammar(fmt: ToolFormat, tools: Sequence[ToolSpec], choice: ToolChoice, parallel: bool) -> str | None:
-    """The GBNF a reply must match, or None when it is free (``tool_choice: none``).
+def tool_grammar(
+    fmt: ToolFormat, tools: Sequence[ToolSpec], choice: ToolChoice, parallel: bool, answer: str | None = None
+) -> str | None:
+    """The GBNF a reply must match, or None when it is free (``tool_choice: none``); ``answer``,
+    a GBNF, constrains a reply without calls (``auto`` only: ``required`` replies are calls).
     InvalidArgument (from the converter) names a parameter schema it cannot take; callers
     add which tool it was (``schema_to_grammar`` errors are cached per schema)."""
     if not choice.calls or not tools:
@@ -143,6 +149,9 @@ def tool_grammar(fmt: ToolFormat, tools: Sequence[ToolSpec], choice: ToolChoice,
     rules.append(f"calls ::= call{more}")
     if choice.mode == "required":
         rules.append(f"root ::= {literal(fmt.trigger)} calls")
+    elif answer is not None:
+        rules.append(rename_rules(answer, "answer-"))
+        rules.append(f"root ::= answer-root | {literal(fmt.trigger)} calls")
     else:
         rules.append("root ::= text-0")
         rules.extend(avoiding(fmt.trigger, "calls"))

@@ -351,7 +351,7 @@ class HttpModelReplica(ModelReplica):
         tools, choice, parallel = rs.tools_of(req)
         settings = rs.settings_of(req, self.engine.defaults)
         fmt = self.engine.template.tool_format
-        settings = constrain(settings, fmt, tools, choice, parallel, format_field="text.format")
+        settings = constrain(settings, fmt, tools, choice, parallel, tool_path="tools.{}")
         if req.previous_response_id:
             key = rs.key_of(req.previous_response_id)
         else:

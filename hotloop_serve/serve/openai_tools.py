@@ -69,9 +69,10 @@ def constrain(
     tools: Sequence[ToolSpec],
     choice: ToolChoice,
     parallel: bool,
-    format_field: str = "response_format",
+    tool_path: str = "tools.{}.function",
 ) -> SamplingSettings:
-    """``settings`` with the grammar the reply's calls must match (unchanged with no calls)."""
+    """``settings`` with the grammar the reply's calls must match (unchanged with no calls). A
+    response format (``json_schema``) joins it: it constrains a reply without calls."""
     if not tools:
         return settings
     if fmt is None:
@@ -82,18 +83,17 @@ def constrain(
         )
     if not choice.calls:
         return settings
-    if settings.grammar or settings.json_schema:
-        raise InvalidArgument(
-            f"{format_field} (or grammar) and tools are exclusive unless tool_choice is 'none'", field=format_field
-        )
+    if settings.grammar:
+        raise InvalidArgument("grammar and tools are exclusive unless tool_choice is 'none'", field="grammar")
+    answer = schema_to_grammar(settings.json_schema) if settings.json_schema and choice.mode == "auto" else None
     for i, tool in enumerate(tools):
         try:
             schema_to_grammar(tool.parameters)
         except InvalidArgument as e:
-            where = f"tools.{i}.parameters" if format_field != "response_format" else f"tools.{i}.function.parameters"
+            where = tool_path.format(i) + ".parameters"
             detail = e.message.removeprefix("json_schema ")
             raise InvalidArgument(f"{where}: the schema {detail}", field=where) from e
-    grammar = tool_grammar(fmt, tools, choice, parallel)
+    grammar = tool_grammar(fmt, tools, choice, parallel, answer)
     if grammar is None:
         return settings
     if len(grammar.encode()) > MAX_GRAMMAR_BYTES:
@@ -102,8 +102,8 @@ def constrain(
             f"server's {MAX_GRAMMAR_BYTES}; offer fewer or smaller tools",
             field="tools",
         )
-    try:
-        return settings.merged(grammar=grammar)
+    try:  # the answer's schema is in the grammar now (a reply of calls has none)
+        return settings.merged(grammar=grammar, json_schema="")
     except InvalidArgument as e:  # a converter output llama.cpp's parser refuses: name the tools
         raise InvalidArgument(f"tools: the tools' schemas make no valid grammar ({e.message})", field="tools") from e
 

@@ -4,7 +4,8 @@ An ``Agent`` with two function tools is run by the SDK's ``Runner`` over both of
 classes, ``OpenAIResponsesModel`` (``/v1/responses``) and ``OpenAIChatCompletionsModel``
 (``/v1/chat/completions``), on the shared server's ``gemma-3-270m`` application (auth off: a
 local caller). The task needs both tools, one after the other: the city's code from the first,
-the forecast for that code from the second, then an answer.
+the forecast for that code from the second, then an answer of the agent's ``output_type`` (the
+SDK sends its JSON Schema as the response format, alongside the tools).
 
 The embedded model is a 270M *base* model: it writes valid calls when a call is forced, but it
 does not plan. So the run forces each step through the SDK's own knobs: the agent starts with
@@ -24,6 +25,7 @@ from collections.abc import Iterator
 from typing import Any, Literal
 
 import pytest
+from pydantic import BaseModel, Field
 
 from .conftest import SINGLE, Server
 
@@ -34,6 +36,13 @@ openai = pytest.importorskip("openai")
 
 CODES = {"Paris": "FR-PAR", "Oslo": "NO-OSL"}
 FORECASTS = {"FR-PAR": "sunny, 21 C", "NO-OSL": "snow, -3 C"}
+
+
+class Answer(BaseModel):
+    """The agent's final output (bounded, so that even a rambling base model's JSON ends)."""
+
+    city: Literal["Paris", "Oslo"]
+    forecast: str = Field(max_length=40)
 
 
 @pytest.fixture(scope="module")
@@ -81,6 +90,7 @@ def run_agent(model: Any) -> tuple[Any, list[tuple[str, dict[str, Any]]], ForceN
             tool_choice="lookup_city_code", parallel_tool_calls=False, temperature=0, max_tokens=48
         ),
         reset_tool_choice=False,
+        output_type=Answer,
     )
     result = asyncio.run(agents.Runner.run(agent, "What is the weather in Paris today?", hooks=hooks, max_turns=6))
     return result, called, hooks
@@ -99,7 +109,7 @@ def test_an_agent_completes_a_two_tool_task_over_both_model_classes(base_url: st
     assert called[0][1]["city"] in CODES and called[1][1]["code"] in FORECASTS  # valid by the grammar
     outputs = [i for i in result.new_items if i.type == "tool_call_output_item"]
     assert [o.output for o in outputs] == [CODES[called[0][1]["city"]], FORECASTS[called[1][1]["code"]]]
-    assert isinstance(result.final_output, str)  # the model's answer, in text (tool_choice none)
+    assert isinstance(result.final_output, Answer)  # the model's answer (tool_choice none), parsed by the SDK
     calls = [i for i in result.new_items if i.type == "tool_call_item"]
     assert all(json.loads(c.raw_item.arguments) for c in calls)
     usage = result.context_wrapper.usage

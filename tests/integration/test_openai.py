@@ -482,7 +482,7 @@ def test_bad_tool_requests_are_400s_naming_the_field(alice: openai.OpenAI) -> No
         ({"tools": TOOLS, "tool_choice": _force("launch_rockets")}, "tool_choice"),
         ({"tools": [nonsense]}, "tools.0.function.parameters"),
         ({"messages": orphan}, "messages.1.tool_call_id"),
-        ({"tools": TOOLS, "response_format": {"type": "json_object"}}, "response_format"),
+        ({"tools": TOOLS, "extra_body": {"grammar": 'root ::= "x"'}}, "grammar"),
     ]:
         with pytest.raises(openai.BadRequestError) as bad:
             alice.chat.completions.create(**{"model": MODEL, "messages": ask, **kwargs})

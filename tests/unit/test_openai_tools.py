@@ -63,7 +63,7 @@ def test_tools_default_to_auto_and_constrain_the_reply_unless_none() -> None:
             "tools.0.function.parameters",
             "not supported",
         ),
-        ({"tools": [fn("a")], "response_format": {"type": "json_object"}}, "response_format", "exclusive"),
+        ({"tools": [fn("a")], "grammar": 'root ::= "x"'}, "grammar", "exclusive"),
     ],
 )
 def test_bad_tools_are_a_400_naming_the_field(fields: dict[str, object], param: str, says: str) -> None:
@@ -115,3 +115,13 @@ def test_reply_items_carry_text_then_call_pieces_and_the_finish_reason() -> None
     assert "".join(p["arguments"] for p in pieces) == '{"city": "Oslo"}'
     assert calls.finish_reason("eos", "stop") == "tool_calls"
     assert calls.finish_reason("length", "length") == "length"
+
+
+def test_a_response_format_with_tools_constrains_the_answer_and_required_drops_it() -> None:
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": CITY}}
+    settings, _ = plan(tools=[fn("a")], response_format=fmt)
+    assert settings.json_schema == "" and "root ::= answer-root | " in settings.grammar
+    settings, _ = plan(tools=[fn("a")], response_format=fmt, tool_choice="required")
+    assert settings.json_schema == "" and "answer-" not in settings.grammar
+    settings, _ = plan(tools=[fn("a")], response_format=fmt, tool_choice="none")
+    assert json.loads(settings.json_schema) == CITY and settings.grammar == ""
