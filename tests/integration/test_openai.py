@@ -20,7 +20,7 @@ from typing import Any
 import jsonschema
 import openai
 import pytest
-from hotloop_client import Client, InvalidArgument, Message, Role, Settings
+from hotloop_client import Client, FinishReason, InvalidArgument, Message, Role, Settings, Tool, assistant_message
 
 from hotloop_serve.config import Config, config_from_dict
 
@@ -592,3 +592,25 @@ def test_streamed_responses_send_the_typed_events_and_store_false_keeps_nothing(
         store=False,
     )
     jsonschema.validate(json.loads(text.output_text), PERSON)
+
+
+def test_a_tool_loop_over_grpc_with_the_python_sdk(http: Http) -> None:
+    """The same concepts over gRPC: tools per turn, calls as chunk deltas, results as tool messages."""
+    tools = [Tool(t["function"]["name"], t["function"]["description"], t["function"]["parameters"]) for t in TOOLS]
+    history = [Message(Role.USER, "What is the weather in Paris?")]
+    with Client(http.grpc, token=ALICE) as client:
+        session = client.model(MODEL).new_session(settings=Settings(temperature=0, sample_len=64))
+        chunks = list(session.generate(history, tools=tools, tool_choice="get_weather", parallel_tool_calls=False))
+        reply = assistant_message(chunks)
+        assert chunks[-1].finish_reason is FinishReason.TOOL_CALLS and reply.content == ""
+        (call,) = reply.tool_calls
+        assert call.name == "get_weather" and call.id
+        jsonschema.validate(json.loads(call.arguments), TOOLS[0]["function"]["parameters"])
+        history += [reply, Message(Role.TOOL, "Sunny, 21 C.", tool_call_id=call.id)]
+        final = list(session.generate(history, tools=tools, tool_choice="none", sample_len=8))
+        assert final[-1].usage is not None and final[-1].usage.cached_tokens >= chunks[-1].usage.prompt_tokens  # type: ignore[union-attr]
+        assert not any(c.tool_calls for c in final)
+        with pytest.raises(InvalidArgument, match="no tool named"):
+            list(session.generate(history, tools=tools, tool_choice="launch_rockets"))
+        with pytest.raises(InvalidArgument, match="matches no tool call"):
+            list(session.generate([Message(Role.TOOL, "x", tool_call_id="nobody")]))
