@@ -48,6 +48,7 @@ from hotloop_serve.serve import openai_schema as oa
 from hotloop_serve.serve import responses_schema as rs
 from hotloop_serve.serve.deployment import ModelReplica
 from hotloop_serve.serve.openai_tools import ReplyCalls, chat_tools, constrain
+from hotloop_serve.serve.responses_disk import ResponseDisk
 from hotloop_serve.serve.responses_http import collect_response, item_page, response_events
 from hotloop_serve.serve.responses_store import ResponseStore, StoredResponse
 from hotloop_serve.serve.servicer import _submit
@@ -204,6 +205,8 @@ class HttpModelReplica(ModelReplica):
         self._http_lru: OrderedDict[str, str] = OrderedDict()  # session id -> principal, oldest first
         limits = self.model.limits
         self._responses = ResponseStore(limits.responses_per_principal, limits.response_bytes_per_principal)
+        persist_dir = self.engine.options.persist_dir
+        self._response_disk = ResponseDisk(persist_dir) if persist_dir else None
 
     # -- the receiving replica ------------------------------------------------------------
     def _http_principal(self, request: Request) -> str:
@@ -525,19 +528,35 @@ class HttpModelReplica(ModelReplica):
     async def OpenAIStored(self, principal: str, response_id: str, op: str, params: dict[str, Any]) -> dict[str, Any]:
         """GET (``get``, ``input_items``) or DELETE a stored response held here: ``{"body"}`` or ``{"error"}``."""
         try:
+            rec = await self._find_response(response_id, principal)
             if op == "delete":
                 session = self._responses.delete(response_id, principal)
+                if self._response_disk is not None:
+                    await asyncio.to_thread(self._response_disk.remove, response_id)
                 if session is not None and session not in self._http_busy:  # no record needs its cache
                     self._http_lru.pop(session, None)
                     if self.engine.known(session):
                         await asyncio.to_thread(self.engine.close_session, session, principal)
                 return {"body": {"id": response_id, "object": "response", "deleted": True}}
-            rec = self._responses.get(response_id, principal)
             if op == "input_items":
                 return {"body": item_page(rec.input_items, params["limit"], params["order"], params["after"])}
             return {"body": rec.body}
         except HotloopError as e:
             return {"error": {"code": e.code, "message": e.message, "field": getattr(e, "field", None)}}
+
+    async def _find_response(self, response_id: str, principal: str) -> StoredResponse:
+        """A stored response of ``principal``: held here, or (after a restart or a fleet change)
+        on disk under ``persist_dir``; NotFound otherwise."""
+        try:
+            return self._responses.get(response_id, principal)
+        except NotFound:
+            if self._response_disk is None:
+                raise
+            rec = await asyncio.to_thread(self._response_disk.load, response_id, principal)
+            if rec is None:
+                raise
+            self._responses.put(rec)
+            return rec
 
     async def _response_session(self, call: rs.RespondCall, prev: StoredResponse | None) -> str:
         """Where a response runs: a new conversation's session (as a chat's); the session of the
@@ -569,9 +588,9 @@ class HttpModelReplica(ModelReplica):
         req = call.request
         try:
             with self.telemetry.rpc("Responses", _TraceContext(call.traceparent)) as span:
-                prev = (
-                    self._responses.get(req.previous_response_id, call.principal) if req.previous_response_id else None
-                )
+                prev = None
+                if req.previous_response_id:
+                    prev = await self._find_response(req.previous_response_id, call.principal)
                 history = prev.messages if prev is not None else ()
                 if req.store:
                     self._responses.check_room(call.principal)
@@ -614,9 +633,10 @@ class HttpModelReplica(ModelReplica):
                         if req.store:
                             reply = ChatMessage("assistant", "".join(text), tool_calls=tuple(found))
                             conversation = (*history, *new, reply)
-                            self._responses.put(
-                                StoredResponse(call.response_id, call.principal, conversation, sid, body, input_items)
-                            )
+                            rec = StoredResponse(call.response_id, call.principal, conversation, sid, body, input_items)
+                            self._responses.put(rec)
+                            if self._response_disk is not None:
+                                await asyncio.to_thread(self._response_disk.save, rec)
                         else:
                             self._responses.moved(sid, None)
                         item["response"] = body

@@ -199,3 +199,21 @@ def test_input_items_page() -> None:
     assert [i["id"] for i in page["data"]] == ["i4", "i3"] and page["has_more"]
     page = item_page(items, 10, "asc", "i2")
     assert [i["id"] for i in page["data"]] == ["i3", "i4"] and not page["has_more"] and page["first_id"] == "i3"
+
+
+def test_stored_responses_survive_on_disk_for_their_principal_only(tmp_path: Any) -> None:
+    from hotloop_serve.serve.responses_disk import ResponseDisk
+
+    disk = ResponseDisk(str(tmp_path))
+    call = ToolCall("c1", "f", '{"a": 1}')
+    messages = (M("user", "hi"), M("assistant", "", tool_calls=(call,)), M("tool", "2", tool_call_id="c1", name="f"))
+    rec = StoredResponse("resp_1", "alice", messages, "s1", {"output": [], "id": "resp_1"}, [{"id": "i1"}])
+    disk.save(rec)
+    loaded = disk.load("resp_1", "alice")
+    assert loaded is not None and loaded.messages == messages and loaded.body == rec.body
+    assert (loaded.session, loaded.input_items) == ("s1", [{"id": "i1"}])
+    assert disk.load("resp_1", "bob") is None and disk.load("resp_2", "alice") is None
+    next(disk.directory.iterdir()).write_text("{not json")
+    assert disk.load("resp_1", "alice") is None  # unreadable: a miss, not an error
+    disk.remove("resp_1")
+    assert not list(disk.directory.iterdir())
