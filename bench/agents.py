@@ -473,8 +473,8 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             stop_server()
     if "peer" in systems:
-        RESULTS.mkdir(parents=True, exist_ok=True)
-        peer = start_peer(args.threads, RESULTS)
+        (RESULTS / "logs").mkdir(parents=True, exist_ok=True)  # git-ignored
+        peer = start_peer(args.threads, RESULTS / "logs")
         try:
             peer_agent(peer.port, 99, 1, args.result_tokens)
             rows += run("peer", lambda a: peer_agent(peer.port, a, args.turns, args.result_tokens), args.agents)
