@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from hotloop_serve.engine import ChatMessage, Engine, EngineOptions, SamplingSettings
+from hotloop_serve.engine.persist import BlobKeys
 from hotloop_serve.serve.model_source import embedded_model_path
 
 S = SamplingSettings(temperature=0, sample_len=4, repeat_penalty=1.0)
@@ -66,7 +67,8 @@ def measure(path: Path, words: int, threads: int) -> None:
     msgs = history(words)
     with tempfile.TemporaryDirectory() as disk:
         opts = EngineOptions(threads=threads, context_tokens=16384, hot_sessions=4, persist_dir=disk)
-        with Engine(str(path), opts) as e:
+        keys = BlobKeys.ephemeral()  # both engines below are one server, before and after a restart
+        with Engine(str(path), opts, blob_keys=keys) as e:
             cold, usage = ttft(e, "a", msgs)
             n = usage.prompt_tokens
             settle(e)
@@ -99,7 +101,7 @@ def measure(path: Path, words: int, threads: int) -> None:
             e.import_session("imported", "bench", blob)
             import_ms = (time.perf_counter() - t0) * 1e3
         final = reply("a", third, "Last?")
-        with Engine(str(path), opts) as e2:  # a restart: "a" comes back from the disk tier
+        with Engine(str(path), opts, blob_keys=keys) as e2:  # a restart: "a" comes back from the disk tier
             disk_ttft, du = ttft(e2, "a", final)
             assert du.restored_tokens > 0 and e2.stats().disk_restores == 1, du
     row("next turn: hot follow-up TTFT", hot, cold)

@@ -75,6 +75,12 @@ class Limits(_Strict):
     max_messages: Annotated[int, Field(ge=1)] = 1024
     max_sample_len: Annotated[int, Field(ge=1)] = 4096
     sessions_per_principal: Annotated[int, Field(ge=1)] = 64
+    """Sessions one principal may hold on a replica (forks and imports included); anonymous
+    callers count by their address."""
+    import_bytes_per_principal: Annotated[int, Field(ge=1 << 20)] = 256 << 20
+    """Bytes of unfinished imports (parts received, last part not yet) one principal may have on a replica."""
+    import_bytes_per_replica: Annotated[int, Field(ge=1 << 20)] = 1 << 30
+    """Bytes of unfinished imports a replica holds for all principals together."""
     responses_per_principal: Annotated[int, Field(ge=1)] = 1000
     """Stored responses (``/v1/responses`` with ``store``) a principal may keep on a replica."""
     response_bytes_per_principal: Annotated[int, Field(ge=1024)] = 64 * 1024 * 1024
@@ -146,6 +152,10 @@ class AuthConfig(_Strict):
     """An environment variable holding ``principal:token`` pairs separated by commas."""
     session_secret_env: str | None = "HOTLOOP_SESSION_SECRET"
     """Environment variable with the key that signs session ids (generated at start if unset)."""
+    export_keys_env: str | None = "HOTLOOP_EXPORT_KEYS"
+    """Environment variable with comma-separated keys that sign session exports and the disk tier
+    (the first signs, every one verifies: put a new key first to rotate). Blobs signed by the
+    session secret are accepted too; without this variable, that secret alone signs them."""
     anonymous: Literal["local", "network"] = "local"
     """With no token source, who may call without a token: ``local``, callers on this machine only
     (Ray's gRPC proxy listens on every interface and has no host option), or ``network``, anyone

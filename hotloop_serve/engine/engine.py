@@ -34,9 +34,11 @@ import numpy as np
 from hotloop_serve.engine.chat_template import ChatMessage, ChatTemplate, builtin_template
 from hotloop_serve.engine.config import EngineOptions
 from hotloop_serve.engine.cpus import cpu_budget
+from hotloop_serve.engine.grammar import GrammarProbe
 from hotloop_serve.engine.kv import RESTORE_MARGIN, KVManager, LlamaKVMemory, common_prefix
+from hotloop_serve.engine.kv_state import check_state
 from hotloop_serve.engine.model import Model
-from hotloop_serve.engine.persist import DiskStore, SessionBlob, model_fingerprint, to_kv_bytes
+from hotloop_serve.engine.persist import BlobKeys, DiskStore, SessionBlob, model_fingerprint, to_kv_bytes
 from hotloop_serve.engine.prompt_tokens import PromptTokenizer
 from hotloop_serve.engine.requests import Request, RequestKind, RequestState
 from hotloop_serve.engine.sampling import Sampler
@@ -122,8 +124,13 @@ class Engine:
         chat_template: str | None = None,
         sessions_per_owner: int | None = None,
         max_sample_len: int | None = None,
+        blob_keys: BlobKeys | None = None,
+        prestart_grammar_probe: bool = False,
     ) -> None:
         self.options = opts = options or EngineOptions()
+        self.blob_keys = blob_keys or BlobKeys.ephemeral()
+        """Sign exported and persisted caches and verify imported ones (``persist.py``): by
+        default a key of this engine alone, so it loads no blob it did not make."""
         self.defaults = default_settings or SamplingSettings()
         self.sessions_per_owner = sessions_per_owner
         self.max_sample_len = max_sample_len
@@ -145,11 +152,21 @@ class Engine:
         self._prompts = PromptTokenizer(
             self.model, capacity=max(64, 2 * opts.hot_sessions), max_tokens=self.session_context
         )
-        self.defaults.validate(self.max_sample_len, self.session_context, self.model.n_vocab)
+        self.grammars = GrammarProbe(model_path)
+        """Trial builds of callers' grammars, in a child process (see ``grammar.py``), started
+        with the engine when ``prestart_grammar_probe`` (a serving replica: ~140 MB for Gemma's
+        vocabulary, and no first grammar waits ~1 s for it), else on the first grammar."""
+        if prestart_grammar_probe:
+            self.grammars.start()
+        self.validate(self.defaults)
 
         self.fingerprint = model_fingerprint(model_path)
         """Identifies the model in exported and persisted caches (they mean nothing to another model)."""
-        self.disk = DiskStore(opts.persist_dir, opts.persist_bytes, self.fingerprint) if opts.persist_dir else None
+        self.disk = (
+            DiskStore(opts.persist_dir, opts.persist_bytes, self.fingerprint, self.blob_keys)
+            if opts.persist_dir
+            else None
+        )
         self._writer = concurrent.futures.ThreadPoolExecutor(1, "hotloop-persist") if self.disk else None
         self._ctx = self._create_context(opts)
         self._batch = ll.llama_batch_init(opts.batch_tokens, 0, 1)
@@ -240,8 +257,16 @@ class Engine:
         return tokens
 
     def validate(self, settings: SamplingSettings) -> None:
-        """Every field within this engine's bounds (InvalidArgument naming the bound otherwise)."""
+        """Every field within this engine's bounds (InvalidArgument naming the bound otherwise).
+
+        A grammar (or a schema's) is also built on trial in a child process the first time it is
+        seen (``GrammarProbe``): this blocks the calling thread for up to a few seconds, so call
+        it off the event loop.
+        """
         settings.validate(self.max_sample_len, self.session_context, self.model.n_vocab)
+        grammar = settings.effective_grammar
+        if grammar:
+            self.grammars.check(grammar, "grammar" if settings.grammar else "json_schema")
 
     def create_session(self, session_id: str, owner: str, settings: SamplingSettings | None = None) -> SessionInfo:
         """Register a session (idempotent for its owner); settings default to the server's."""
@@ -366,7 +391,7 @@ class Engine:
         tokens, data = self._call(release)
         if data is None:
             return None
-        return SessionBlob(self.fingerprint, tokens, s.settings, bytes(data)).encode()
+        return SessionBlob(self.fingerprint, tokens, s.settings, bytes(data)).encode(self.blob_keys)
 
     def export_session(self, session_id: str, owner: str) -> bytes:
         """The session's cache as a portable blob (tokens, KV state, settings, model fingerprint)."""
@@ -374,13 +399,13 @@ class Engine:
             s = self._sessions.owned(session_id, owner)
         tokens, data = self._call(lambda: self.kv.snapshot(s, leaving=True))
         kv = bytes(data) if data is not None else b""
-        return SessionBlob(self.fingerprint, tokens if kv else [], s.settings, kv).encode()
+        return SessionBlob(self.fingerprint, tokens if kv else [], s.settings, kv).encode(self.blob_keys)
 
     def adopt_session(self, session_id: str, owner: str, data: bytes) -> bool:
         """Take a handed-over session, over a copy here that is idle and holds fewer tokens (a
         stale copy from a turn that spilled here, or settings without a cache); False, keeping
         what is here, when that copy is busy or at least as long."""
-        tokens = len(SessionBlob.decode(data, self.fingerprint).tokens)
+        tokens = len(SessionBlob.decode(data, self.fingerprint, self.blob_keys).tokens)
         with self._lock:
             s = self._sessions.get(session_id)
         if s is not None:
@@ -409,13 +434,15 @@ class Engine:
         """Create ``session_id`` from an exported blob, hot; ``keep``: only the cache of this prefix
         of its history (a fork). Damaged data is INVALID_ARGUMENT and a blob of another model
         FAILED_PRECONDITION; either way nothing of it stays behind."""
-        blob = SessionBlob.decode(data, self.fingerprint)
+        blob = SessionBlob.decode(data, self.fingerprint, self.blob_keys)
         if any(not 0 <= t < self.model.n_vocab for t in blob.tokens):
             raise InvalidArgument("session export holds tokens outside this model's vocabulary")
         if len(blob.tokens) > self.session_context:
             raise OutOfRange(
                 f"session export holds {len(blob.tokens)} tokens, over the window of {self.session_context}"
             )
+        if blob.kv:
+            self.check_state(blob.kv, len(blob.tokens))
         settings = settings or blob.settings
         self.validate(settings)
         keep_tokens = self.render(keep, add_generation_prompt=False) if keep else None
@@ -439,6 +466,15 @@ class Engine:
             self._call(lambda: self._forget(s))
             raise InvalidArgument("session export could not be loaded into the KV cache (its state is invalid)")
         return self.session_info(session_id, owner)
+
+    def check_state(self, kv: bytes, n_tokens: int) -> None:
+        """InvalidArgument unless ``kv`` is this model's state of exactly ``n_tokens`` tokens
+        (``kv_state.check_state``), checked before llama.cpp reads a byte of it: a state whose
+        cells do not continue its tokens would fail every session's decode in the next batch."""
+        self._memory.calibrated.wait(timeout=60.0)
+        layout = self._memory.layout
+        if layout is not None:
+            check_state(kv, n_tokens, layout)
 
     def stats(self) -> EngineStats:
         snap = self._stats
@@ -477,6 +513,7 @@ class Engine:
         if self._ctx:
             ll.llama_free(self._ctx)
             self._ctx = None
+        self.grammars.close()
         self.model.close()
 
     def __enter__(self) -> Engine:
@@ -514,32 +551,41 @@ class Engine:
             messages, add_generation_prompt=kind is RequestKind.GENERATE, session=session_id, tools=tools
         )
         prompt = self._fit(prompt, messages, settings, kind, tools)
-        with self._lock:
-            self._check_alive()
-            session, _ = self._sessions.get_or_create(session_id, owner, settings)
-            if session.finished_at:
-                session.return_s = time.perf_counter() - session.finished_at
-                session.finished_at = 0.0
-            queued = len(self._inbox) + len(self.scheduler.waiting)
-            if queued >= self.options.max_queue:
-                raise ResourceExhausted(
-                    f"replica queue is full (engine.max_queue={self.options.max_queue} waiting requests); retry later"
-                )
-            running = session.request
-            if running is not None and running.live and running.state is not RequestState.CACHING_TAIL:
-                running.cancel_requested = True  # superseded by this newer turn
-            for other in self._inbox:
-                if other.session is session:
-                    other.cancel_requested = True
-            req = Request(kind, session, prompt, settings, self._wake, order=next(self._order))
-            if self.disk is not None and session.phase in (SessionPhase.NEW, SessionPhase.DROPPED):
-                self._inbox_disk_load(req)
-            if kind is RequestKind.GENERATE:
-                req.sampler = Sampler(settings, self.model.n_vocab, self._rng, self.model.vocab)
-            session.pending += 1
-            session.last_used = time.monotonic()
-            self._inbox.append(req)
-            self._wakeup.notify()
+        # Built here, not under the lock: a grammar sampler's build is llama.cpp parsing the
+        # grammar, and the scheduler thread must never wait on it.
+        generate = kind is RequestKind.GENERATE
+        sampler = Sampler(settings, self.model.n_vocab, self._rng, self.model.vocab) if generate else None
+        try:
+            with self._lock:
+                self._check_alive()
+                session, _ = self._sessions.get_or_create(session_id, owner, settings)
+                if session.finished_at:
+                    session.return_s = time.perf_counter() - session.finished_at
+                    session.finished_at = 0.0
+                queued = len(self._inbox) + len(self.scheduler.waiting)
+                if queued >= self.options.max_queue:
+                    raise ResourceExhausted(
+                        f"replica queue is full (engine.max_queue={self.options.max_queue} waiting requests); "
+                        "retry later"
+                    )
+                running = session.request
+                if running is not None and running.live and running.state is not RequestState.CACHING_TAIL:
+                    running.cancel_requested = True  # superseded by this newer turn
+                for other in self._inbox:
+                    if other.session is session:
+                        other.cancel_requested = True
+                req = Request(kind, session, prompt, settings, self._wake, order=next(self._order))
+                if self.disk is not None and session.phase in (SessionPhase.NEW, SessionPhase.DROPPED):
+                    self._inbox_disk_load(req)
+                req.sampler = sampler
+                session.pending += 1
+                session.last_used = time.monotonic()
+                self._inbox.append(req)
+                self._wakeup.notify()
+        except BaseException:
+            if sampler is not None:
+                sampler.free()
+            raise
         return req.stream
 
     def _fit(
@@ -605,8 +651,15 @@ class Engine:
         file is small next to a prefill, and read here, off the scheduler thread)."""
         assert self.disk is not None
         blob = self.disk.get(req.session.id, req.session.owner)
-        if blob is not None and blob.kv:
-            req.disk = (blob.tokens, to_kv_bytes(blob.kv))
+        if blob is None or not blob.kv:
+            return
+        try:
+            self.check_state(blob.kv, len(blob.tokens))
+        except InvalidArgument as e:
+            log.warning("discarding persisted session %s: %s", req.session.id, e.message)
+            self.disk.delete(req.session.id)
+            return
+        req.disk = (blob.tokens, to_kv_bytes(blob.kv))
 
     def _spill(self, s: Session, tokens: list[int], data: KVBytes) -> None:
         """Host RAM dropped an idle session: keep it on disk (written by a background thread)."""

@@ -11,14 +11,12 @@ import math
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
-from hotloop_serve.engine.grammar import check_grammar, schema_to_grammar
+from hotloop_serve.engine.grammar import MAX_GRAMMAR_BYTES, check_grammar, schema_to_grammar
 from hotloop_serve.errors import InvalidArgument
 
 MAX_STOP_SEQUENCES = 8
 MAX_STOP_LENGTH = 256
 MAX_SEED = 2**64 - 1
-MAX_GRAMMAR_BYTES = 64 * 1024
-"""Longest GBNF grammar or JSON Schema accepted (the text, before conversion)."""
 MAX_TOP_LOGPROBS = 20
 """Most alternatives reported per token (OpenAI's bound)."""
 
@@ -115,9 +113,15 @@ class SamplingSettings:
         for name in ("grammar", "json_schema"):
             text = getattr(self, name)
             if len(text.encode()) > MAX_GRAMMAR_BYTES:
-                raise InvalidArgument(f"{name} must be at most {MAX_GRAMMAR_BYTES} bytes, got {len(text.encode())}")
-        if self.grammar or self.json_schema:
-            check_grammar(self.grammar or schema_to_grammar(self.json_schema))
+                raise InvalidArgument(
+                    f"{name} must be at most {MAX_GRAMMAR_BYTES} bytes, got {len(text.encode())}", field=name
+                )
+        # Static bounds only (cheap on any thread): the trial build in llama.cpp is the engine's
+        # (Engine.validate), off the event loop.
+        if self.grammar:
+            check_grammar(self.grammar)
+        elif self.json_schema:
+            schema_to_grammar(self.json_schema)
 
     def merged(self, **overrides: Any) -> SamplingSettings:
         """A copy with the given fields replaced (None values are ignored)."""

@@ -18,7 +18,7 @@ from ray.serve.config import AutoscalingConfig, RequestRouterConfig
 from ray.serve.deployment import Application
 
 from hotloop_serve.config import Config, ModelConfig, config_from_dict
-from hotloop_serve.serve.auth import describe_tokens, load_tokens
+from hotloop_serve.serve.auth import describe_tokens, export_secrets, load_tokens
 from hotloop_serve.serve.openai_http import HttpModelDeployment
 from hotloop_serve.serve.servicer import HEALTH_WATCHES
 
@@ -55,7 +55,7 @@ def session_secret(config: Config) -> str:
 def preflight(config: Config) -> list[str]:
     """What would make the replicas refuse to start, checked before deploying (``ValueError``
     with the reason); returns start-up facts worth printing (how auth is set up)."""
-    session_secret(config)
+    export_secrets(config.auth, session_secret(config))
     return [describe_tokens(load_tokens(config.auth), config.auth.anonymous)]
 
 

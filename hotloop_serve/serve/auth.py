@@ -165,3 +165,15 @@ class Authenticator:
         if found is None:
             raise Unauthenticated("invalid bearer token", reason="TOKEN_INVALID")
         return found
+
+
+def export_secrets(auth: AuthConfig, session_secret: str) -> list[bytes]:
+    """The secrets session blobs are signed with (``persist.BlobKeys``): the export keys from
+    ``auth.export_keys_env``, the first of which signs, then the session secret."""
+    name = auth.export_keys_env
+    listed = os.environ.get(name, "") if name else ""
+    keys = [k.strip() for k in listed.split(",") if k.strip()]
+    short = [k for k in keys if len(k) < 16]
+    if short:
+        raise ValueError(f"{name}: every export key must be at least 16 characters ({len(short)} are shorter)")
+    return [k.encode() for k in keys] + [session_secret.encode()]

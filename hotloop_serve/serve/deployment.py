@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
+import os
 import time
+from pathlib import Path
 from typing import Any
 
 from hotloop.v1 import session_pb2 as spb
@@ -13,9 +16,10 @@ from ray import serve
 
 from hotloop_serve.config import config_from_dict
 from hotloop_serve.engine.engine import Engine
+from hotloop_serve.engine.persist import BlobKeys
 from hotloop_serve.engine.settings import SamplingSettings
 from hotloop_serve.errors import HotloopError
-from hotloop_serve.serve.auth import Authenticator, describe_tokens, load_tokens
+from hotloop_serve.serve.auth import Authenticator, describe_tokens, export_secrets, load_tokens
 from hotloop_serve.serve.handle_calls import as_own_request
 from hotloop_serve.serve.model_source import resolve_model_path
 from hotloop_serve.serve.router import peer_address, rendezvous_order
@@ -72,6 +76,19 @@ def _key_owned_by(index: int, ranks: list[str]) -> str:
             return key
 
 
+def process_facts() -> dict[str, int]:
+    """This replica process's id, resident memory and OS threads (Linux ``/proc``; zeros elsewhere):
+    what a leak check or a crash hunt reads (a restarted replica has a new pid)."""
+    facts = {"pid": os.getpid(), "rss_bytes": 0, "os_threads": 0}
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                facts["rss_bytes"] = int(line.split()[1]) * 1024
+            elif line.startswith("Threads:"):
+                facts["os_threads"] = int(line.split()[1])
+    return facts
+
+
 class ModelReplica(ModelServicer):
     """Loads the model once per replica; its methods are the RPCs (see ModelServicer)."""
 
@@ -88,6 +105,8 @@ class ModelReplica(ModelServicer):
             chat_template=mcfg.chat_template,
             sessions_per_owner=mcfg.limits.sessions_per_principal,
             max_sample_len=mcfg.limits.max_sample_len,
+            blob_keys=BlobKeys.derived(export_secrets(cfg.auth, session_secret)),
+            prestart_grammar_probe=True,
         )
         ctx = serve.get_replica_context()
         self._app, self._deployment = ctx.app_name, ctx.deployment
@@ -129,16 +148,16 @@ class ModelReplica(ModelServicer):
             describe_tokens(tokens, cfg.auth.anonymous),
         )
 
-    async def route_create(self, request: spb.CreateSessionRequest, principal: str) -> spb.Session:
+    async def route_create(self, request: spb.CreateSessionRequest, principal: str, caller: str) -> spb.Session:
         """To the key's owner through our own deployment's handle (the affinity router picks it),
         or directly when the owner is this replica: a handle call from a replica to itself lost
         its reply now and then in Ray 2.60 (the callee logged OK; the caller waited until the
         client's deadline), which made keyless CreateSession calls time out."""
         ranks = await self._ranks()
         if ranks[rendezvous_order(routing_key(request.session_key), ranks)[0]] == str(self._rank):
-            return await self.CreateSessionFor(request, principal)
+            return await self.CreateSessionFor(request, principal, caller)
         handle = serve.get_deployment_handle(self._deployment, self._app)
-        result: spb.Session = await as_own_request(lambda: handle.CreateSessionFor.remote(request, principal))
+        result: spb.Session = await as_own_request(lambda: handle.CreateSessionFor.remote(request, principal, caller))
         return result
 
     async def _ranks(self) -> list[str]:
@@ -200,7 +219,17 @@ class ModelReplica(ModelServicer):
 
     def stats(self) -> dict[str, Any]:
         """The engine's counters and the fleet's (for operators' scripts, `status`, leak checks)."""
-        return {**dataclasses.asdict(self.engine.stats()), **self.fleet, "rank": self._rank}
+        probe = self.engine.grammars.counters
+        return {
+            **dataclasses.asdict(self.engine.stats()),
+            **self.fleet,
+            "rank": self._rank,
+            **process_facts(),
+            "grammar_checks": probe["checks"],
+            "grammar_refused": probe["refused"],
+            "grammar_child_restarts": probe["child_restarts"],
+            "import_bytes_pending": self.imports.held(),
+        }
 
     def record_replica_metadata(self) -> dict[str, Any]:
         """Published to the routers once, at start: the rank is what session affinity hashes on."""

@@ -256,7 +256,7 @@ class HttpModelReplica(ModelReplica):
             req = oa.parse_request(await self._body(request))
             session, traceparent = request.headers.get(oa.SESSION_HEADER), request.headers.get("traceparent")
             if req.model == self.model.name:
-                items = self._dispatch(req, principal, session, traceparent)
+                items = await self._dispatch(req, principal, session, traceparent)
             elif req.model in {m.name for m in self.config.models}:
                 # Another model of this server: its own application plans and routes the turn.
                 other = serve.get_deployment_handle(req.model, req.model)
@@ -289,14 +289,20 @@ class HttpModelReplica(ModelReplica):
             )
         return await _collect(cid, req.model, first, items)
 
-    def _dispatch(
+    async def _dispatch(
         self, req: oa.ChatCompletionRequest, principal: str, session: str | None, traceparent: str | None
     ) -> Any:
         """Plan a turn of this model and hand it to its conversation's owner: the stream of its items."""
         messages = oa.messages_of(req, self.model.limits.max_messages)
-        settings = oa.settings_of(req, self.engine.defaults)
+        if req.response_format is not None or req.grammar:
+            # Converting and bounding a schema or grammar takes milliseconds: off the event loop.
+            settings = await asyncio.to_thread(oa.settings_of, req, self.engine.defaults)
+        else:
+            settings = oa.settings_of(req, self.engine.defaults)
         tools, choice, parallel = chat_tools(req)
-        settings = constrain(settings, self.engine.template.tool_format, tools, choice, parallel)
+        if tools:  # the tools' schemas are converted and bounded: milliseconds, off the event loop
+            fmt = self.engine.template.tool_format
+            settings = await asyncio.to_thread(constrain, settings, fmt, tools, choice, parallel)
         key = oa.conversation_key(principal, req.model, messages, session)
         parse = choice if tools and choice.calls else None
         call = oa.ChatCall(key, principal, messages, settings, traceparent, tools, parse)
@@ -309,7 +315,7 @@ class HttpModelReplica(ModelReplica):
         """A turn for this model received by another model's endpoint (already authenticated)."""
         items = None
         try:
-            items = self._dispatch(req, principal, session, traceparent)
+            items = await self._dispatch(req, principal, session, traceparent)
             async for item in items:
                 yield item
         except HotloopError as e:
@@ -326,7 +332,7 @@ class HttpModelReplica(ModelReplica):
             req = rs.parse_response_request(await self._body(request))
             session, traceparent = request.headers.get(oa.SESSION_HEADER), request.headers.get("traceparent")
             if req.model == self.model.name:
-                items = self._respond(req, principal, session, traceparent)
+                items = await self._respond(req, principal, session, traceparent)
             elif req.model in {m.name for m in self.config.models}:
                 other = serve.get_deployment_handle(req.model, req.model)
                 items = other.options(stream=True).OpenAIRespondForward.remote(req, principal, session, traceparent)
@@ -347,14 +353,20 @@ class HttpModelReplica(ModelReplica):
             )
         return await collect_response(items)
 
-    def _respond(self, req: rs.ResponseRequest, principal: str, session: str | None, traceparent: str | None) -> Any:
+    async def _respond(
+        self, req: rs.ResponseRequest, principal: str, session: str | None, traceparent: str | None
+    ) -> Any:
         """Plan a response of this model and hand it to its conversation's owner: the stream of
         its items. The conversation is ``previous_response_id``'s (its id holds the routing key),
         or a new one known by its opening, as a chat completion's."""
         tools, choice, parallel = rs.tools_of(req)
-        settings = rs.settings_of(req, self.engine.defaults)
         fmt = self.engine.template.tool_format
-        settings = constrain(settings, fmt, tools, choice, parallel, tool_path="tools.{}")
+
+        def plan() -> SamplingSettings:  # schemas converted and bounded: milliseconds, off the event loop
+            settings = rs.settings_of(req, self.engine.defaults)
+            return constrain(settings, fmt, tools, choice, parallel, tool_path="tools.{}")
+
+        settings = await asyncio.to_thread(plan) if tools or req.text is not None else plan()
         if req.previous_response_id:
             key = rs.key_of(req.previous_response_id)
         else:
@@ -382,7 +394,7 @@ class HttpModelReplica(ModelReplica):
         """A response for this model received by another model's endpoint (already authenticated)."""
         items = None
         try:
-            items = self._respond(req, principal, session, traceparent)
+            items = await self._respond(req, principal, session, traceparent)
             async for item in items:
                 yield item
         except HotloopError as e:

@@ -23,6 +23,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from hotloop_serve import bounded_json
 from hotloop_serve.engine.chat_template import ChatMessage
 from hotloop_serve.engine.settings import SamplingSettings
 from hotloop_serve.engine.stream import Chunk, TokenLogprob
@@ -30,8 +31,9 @@ from hotloop_serve.engine.tools import ToolCall, ToolChoice, ToolSpec
 from hotloop_serve.errors import HotloopError, InvalidArgument
 
 SESSION_HEADER = "x-session-id"
-"""Request header naming a conversation explicitly (any string up to 256 characters); without
-it a conversation is known by its opening messages."""
+"""Request header naming a conversation explicitly (any string up to :data:`MAX_SESSION_HEADER`
+characters); without it a conversation is known by its opening messages."""
+MAX_SESSION_HEADER = 256
 ANY_JSON_OBJECT = '{"type": "object"}'
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length", "context": "length"}
 
@@ -138,10 +140,7 @@ class ChatCompletionRequest(_Model):
 
 def parse_request(body: bytes) -> ChatCompletionRequest:
     """The request, or InvalidArgument naming the first problem (JSON, a field, a value)."""
-    try:
-        data = json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise InvalidArgument(f"the request body is not valid JSON: {e}") from e
+    data = bounded_json.loads(body, "the request body")
     if not isinstance(data, dict):
         raise InvalidArgument("the request body must be a JSON object")
     try:
@@ -242,6 +241,11 @@ def conversation_key(principal: str, model: str, messages: list[ChatMessage], se
     else from its opening (every message up to and including the first user message), which
     every later request of the conversation repeats. The principal is part of the hash, so two
     principals never share a key (nor a session: ids are signed per principal anyway)."""
+    if session is not None and len(session) > MAX_SESSION_HEADER:
+        raise InvalidArgument(
+            f"the {SESSION_HEADER} header is {len(session)} characters; at most {MAX_SESSION_HEADER}",
+            field=SESSION_HEADER,
+        )
     if session:
         source = "s\0" + session
     else:

@@ -15,8 +15,8 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-from hotloop_serve.engine.grammar import schema_to_grammar
-from hotloop_serve.engine.settings import MAX_GRAMMAR_BYTES, SamplingSettings
+from hotloop_serve.engine.grammar import MAX_GRAMMAR_BYTES, schema_to_grammar
+from hotloop_serve.engine.settings import SamplingSettings
 from hotloop_serve.engine.tool_grammar import tool_grammar
 from hotloop_serve.engine.tool_parser import Parsed, ToolCallParser
 from hotloop_serve.engine.tools import TOOL_NAME, ToolCall, ToolChoice, ToolFormat, ToolSpec

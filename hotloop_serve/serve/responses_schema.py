@@ -19,6 +19,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from hotloop_serve import bounded_json
 from hotloop_serve.engine.chat_template import ChatMessage
 from hotloop_serve.engine.settings import SamplingSettings
 from hotloop_serve.engine.tools import ToolCall, ToolChoice, ToolSpec
@@ -101,10 +102,7 @@ class ResponseRequest(_Model):
 
 def parse_response_request(body: bytes) -> ResponseRequest:
     """The request, or InvalidArgument naming the first problem (JSON, a field, a value)."""
-    try:
-        data = json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise InvalidArgument(f"the request body is not valid JSON: {e}") from e
+    data = bounded_json.loads(body, "the request body")  # depth-bounded, as chat completions'
     if not isinstance(data, dict):
         raise InvalidArgument("the request body must be a JSON object")
     try:

@@ -9,6 +9,7 @@ statuses by ``status.py``, cancellation re-raised); nothing here knows llama.cpp
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import functools
 import time
 from collections import OrderedDict
@@ -29,6 +30,7 @@ from hotloop_serve.errors import InvalidArgument, NotFound, ResourceExhausted
 from hotloop_serve.serve import convert
 from hotloop_serve.serve.auth import ANONYMOUS, Authenticator
 from hotloop_serve.serve.openai_tools import ReplyCalls, constrain
+from hotloop_serve.serve.quotas import AnonymousSessions, PendingImports, caller_key
 from hotloop_serve.serve.session_ids import SessionIds, new_routing_key, routing_key
 from hotloop_serve.serve.status import set_status
 from hotloop_serve.telemetry import RpcSpan, Telemetry
@@ -38,14 +40,16 @@ _CLOSED_REMEMBERED = 4096
 TRANSFER_PART_BYTES = 1 << 20
 """Largest part of an exported or imported session blob in one message (under any sane
 ``max_request_bytes``)."""
-IMPORT_TTL_S = 300.0
-"""An import whose next part does not come within this time is forgotten."""
 
 HEALTH_WATCHES = 2
 """``grpc.health.v1.Health/Watch`` streams one replica holds at once. Each holds one of the
 replica's request slots for as long as it is open, so ``app.deployment_options`` reserves this
 many slots for them, and a Watch beyond them is refused at once (RESOURCE_EXHAUSTED: poll
 Check instead): health never takes the slots of model work."""
+
+_CALLER: contextvars.ContextVar[str] = contextvars.ContextVar("hotloop_caller", default="")
+"""The current unary RPC's caller key (``quotas.caller_key``), set by :func:`unary`: the handlers'
+signature carries the principal, and only quota checks need the address behind it."""
 
 _Request = TypeVar("_Request", bound=Message)
 _Reply = TypeVar("_Reply", bound=Message)
@@ -73,7 +77,9 @@ def unary(empty: type[_Reply]) -> Callable[[_Handler[_Request, _Reply]], _Rpc[_R
         async def rpc(self: ModelServicer, request: _Request, grpc_context: Any = None) -> _Reply:
             try:
                 with self.telemetry.rpc(name, grpc_context) as span:
-                    return await handler(self, request, self._principal(grpc_context), span)
+                    principal = self._principal(grpc_context)
+                    _CALLER.set(self._caller(principal, grpc_context))
+                    return await handler(self, request, principal, span)
             except Exception as e:
                 set_status(grpc_context, e)
                 return empty()
@@ -133,13 +139,28 @@ class ModelServicer:
         self.telemetry = telemetry
         self.served_by = pb.ServedBy(replica=replica_id, replica_rank=replica_rank)
         self._closed: OrderedDict[str, None] = OrderedDict()
-        self._imports: dict[tuple[str, str], tuple[bytearray, float]] = {}
+        self.imports = PendingImports(model.limits.import_bytes_per_principal, model.limits.import_bytes_per_replica)
+        self.anonymous = AnonymousSessions(model.limits.sessions_per_principal, engine.known)
         self._watches = 0
 
     # -- helpers -----------------------------------------------------------------------
     def _principal(self, grpc_context: Any) -> str:
         peer = grpc_context.peer() if grpc_context is not None and hasattr(grpc_context, "peer") else None
         return self.auth.principal(_metadata(grpc_context), peer)
+
+    @staticmethod
+    def _caller(principal: str, grpc_context: Any) -> str:
+        """Whose quota a call counts against (``quotas.caller_key``: anonymous callers by address)."""
+        peer = grpc_context.peer() if grpc_context is not None and hasattr(grpc_context, "peer") else None
+        return caller_key(principal, peer)
+
+    async def _settings(self, msg: pb.Settings, base: SamplingSettings) -> SamplingSettings:
+        """``convert.settings_from_proto``, off the event loop when the settings carry a grammar
+        or schema: converting and bounding a 64 KiB schema takes milliseconds this loop's other
+        streams should not wait for."""
+        if msg.grammar or msg.json_schema:
+            return await asyncio.to_thread(convert.settings_from_proto, msg, base)
+        return convert.settings_from_proto(msg, base)
 
     def _check_size(self, request: Message) -> None:
         size = request.ByteSize()
@@ -277,31 +298,38 @@ class ModelServicer:
     @unary(spb.Session)
     async def CreateSession(self, request: spb.CreateSessionRequest, principal: str, span: RpcSpan) -> spb.Session:
         self._check_model(request.model)
-        convert.settings_from_proto(request.settings, self.engine.defaults)  # validate before routing
+        await self._settings(request.settings, self.engine.defaults)  # validate before routing
+        caller = _CALLER.get()
         if not request.session_key:
             # A stock client sent no routing key: pick one, then create the session on the
             # replica that will own it (the trap: settings stored here, turns served there).
             keyed = spb.CreateSessionRequest()
             keyed.CopyFrom(request)
             keyed.session_key = new_routing_key()
-            session = await self.route_create(keyed, principal)
+            session = await self.route_create(keyed, principal, caller)
         else:
-            session = await self.CreateSessionFor(request, principal)
+            session = await self.CreateSessionFor(request, principal, caller)
         span.set_attribute("hotloop.session_id", session.id)
         return session
 
-    async def CreateSessionFor(self, request: spb.CreateSessionRequest, principal: str) -> spb.Session:
-        """Create a keyed session here (this replica owns the key); no auth: callers did it."""
-        settings = convert.settings_from_proto(request.settings, self.engine.defaults)
+    async def CreateSessionFor(
+        self, request: spb.CreateSessionRequest, principal: str, caller: str = ""
+    ) -> spb.Session:
+        """Create a keyed session here (this replica owns the key); no auth: callers did it.
+        ``caller``: whose quota it counts against (``quotas.caller_key``)."""
+        settings = await self._settings(request.settings, self.engine.defaults)
         sid = self.ids.new(principal, request.session_key)
         tenant = self._tenant(principal, sid)
-        self.engine.create_session(sid, tenant, settings)
+        if not self.engine.known(sid):
+            self.anonymous.admit(caller)
+        await asyncio.to_thread(self.engine.create_session, sid, tenant, settings)
+        self.anonymous.add(caller, sid)
         self.settings_changed(sid, tenant, settings)
         return self._session_proto(sid, principal)
 
-    async def route_create(self, request: spb.CreateSessionRequest, principal: str) -> spb.Session:
+    async def route_create(self, request: spb.CreateSessionRequest, principal: str, caller: str) -> spb.Session:
         """Send a keyed CreateSession to its owner; overridden where replicas exist (deployment.py)."""
-        return await self.CreateSessionFor(request, principal)
+        return await self.CreateSessionFor(request, principal, caller)
 
     @unary(spb.Session)
     async def GetSession(self, request: spb.GetSessionRequest, principal: str, span: RpcSpan) -> spb.Session:
@@ -310,9 +338,9 @@ class ModelServicer:
     @unary(spb.Session)
     async def UpdateSettings(self, request: spb.UpdateSettingsRequest, principal: str, span: RpcSpan) -> spb.Session:
         sid = await self._here(request.session_id, principal)
-        settings = convert.settings_from_proto(request.settings, self.engine.defaults)
+        settings = await self._settings(request.settings, self.engine.defaults)
         tenant = self._tenant(principal, sid)
-        self.engine.update_settings(sid, tenant, settings)
+        await asyncio.to_thread(self.engine.update_settings, sid, tenant, settings)
         self.settings_changed(sid, tenant, settings)
         return self._session_proto(sid, principal)
 
@@ -343,18 +371,17 @@ class ModelServicer:
         the copy is made in KV memory (``seq_cp``) and every turn of the fork comes back here."""
         self._check_size(request)
         source = await self._here(request.session_id, principal)
-        if not self.engine.known(source):
-            raise NotFound(f"session {request.session_id!r} has no cache on this server (it was never used)")
+        self._check_cached(source, principal, request.session_id)
         keep = (
             convert.messages_from_proto(request.messages, self.model.limits.max_messages) if request.messages else None
         )
         settings = (
-            convert.settings_from_proto(
-                request.settings, self.engine.settings_of(source, self._tenant(principal, source))
-            )
+            await self._settings(request.settings, self.engine.settings_of(source, self._tenant(principal, source)))
             if convert.has_settings(request.settings)
             else None
         )
+        caller = _CALLER.get()
+        self.anonymous.admit(caller)
         sid = self.ids.new(principal, await self.colocated_key(request.session_key))
         owner, new_owner = self._tenant(principal, source), self._tenant(principal, sid)
         if owner == new_owner:
@@ -362,9 +389,18 @@ class ModelServicer:
         else:  # two anonymous tenants: a copy of the cache, never a shared one
             blob = await asyncio.to_thread(self.engine.export_session, source, owner)
             await asyncio.to_thread(self.engine.import_session, sid, new_owner, blob, settings, keep)
+        self.anonymous.add(caller, sid)
         self.settings_changed(sid, new_owner, self.engine.settings_of(sid, new_owner))
         span.set_attribute("hotloop.session_id", sid)
         return self._session_proto(sid, principal)
+
+    def _check_cached(self, sid: str, principal: str, shown: str) -> None:
+        """NOT_FOUND for a session with nothing cached (never used, or cleared): there is nothing
+        to fork or export, as docs/sessions.md says."""
+        if not self.engine.known(sid) or not self.engine.session_info(sid, self._tenant(principal, sid)).context_tokens:
+            raise NotFound(
+                f"session {shown!r} has no cache on this server (it was never used)", reason="SESSION_NOT_CACHED"
+            )
 
     async def colocated_key(self, preferred: str) -> str:
         """A routing key owned by this replica (overridden where replicas exist)."""
@@ -398,8 +434,7 @@ class ModelServicer:
                 principal = self._principal(grpc_context)
                 sid = await self._here(request.session_id, principal)
                 span.set_attribute("hotloop.session_id", sid)
-                if not self.engine.known(sid):
-                    raise NotFound(f"session {request.session_id!r} has no cache on this server (it was never used)")
+                self._check_cached(sid, principal, request.session_id)
                 blob = await asyncio.to_thread(self.engine.export_session, sid, self._tenant(principal, sid))
                 for start in range(0, len(blob), TRANSFER_PART_BYTES):
                     yield spb.ExportSessionChunk(data=blob[start : start + TRANSFER_PART_BYTES], total_bytes=len(blob))
@@ -423,37 +458,21 @@ class ModelServicer:
         if not request.session_key:
             raise InvalidArgument("session_key is required: every part of one import sends the same key")
         sid = self.ids.new(principal, request.session_key)  # validates the key
-        now = time.monotonic()
-        for k in [k for k, (_, t) in self._imports.items() if now - t > IMPORT_TTL_S]:
-            del self._imports[k]
-        slot = (principal, request.session_key)
-        buf, _ = self._imports.get(slot, (bytearray(), now))
-        if request.offset == 0:
-            buf = bytearray()
-        end = request.offset + len(request.data)
-        if 0 < end <= len(buf) and buf[request.offset : end] == request.data:
-            # A part sent again after a failover (the first attempt arrived): acknowledge it.
+        caller = _CALLER.get()
+        blob = self.imports.add(
+            (principal, request.session_key), caller, request.offset, request.data, request.total_bytes
+        )
+        if blob is None:
             return spb.Session(model=self.model.name, state="importing", context_tokens=0)
-        if request.offset != len(buf):
-            self._imports.pop(slot, None)
-            raise InvalidArgument(
-                f"import part at offset {request.offset}, expected {len(buf)}: send the parts in order from 0"
-            )
-        buf += request.data
-        if len(buf) > request.total_bytes:
-            self._imports.pop(slot, None)
-            raise InvalidArgument(f"import parts exceed total_bytes={request.total_bytes}")
-        if len(buf) < request.total_bytes:
-            self._imports[slot] = (buf, now)
-            return spb.Session(model=self.model.name, state="importing", context_tokens=0)
-        self._imports.pop(slot, None)
         settings = (
-            convert.settings_from_proto(request.settings, self.engine.defaults)
+            await self._settings(request.settings, self.engine.defaults)
             if convert.has_settings(request.settings)
             else None
         )
+        self.anonymous.admit(caller)
         tenant = self._tenant(principal, sid)
-        await asyncio.to_thread(self.engine.import_session, sid, tenant, bytes(buf), settings)
+        await asyncio.to_thread(self.engine.import_session, sid, tenant, blob, settings)
+        self.anonymous.add(caller, sid)
         self.settings_changed(sid, tenant, self.engine.settings_of(sid, tenant))
         span.set_attribute("hotloop.session_id", sid)
         return self._session_proto(sid, principal)
@@ -465,7 +484,7 @@ class ModelServicer:
         span.set_attribute("hotloop.session_id", sid)
         hit = self.engine.known(sid)
         messages = convert.messages_from_proto(request.messages, self.model.limits.max_messages)
-        settings = self._turn_settings(request.settings, sid, principal)
+        settings = await self._turn_settings(request.settings, sid, principal)
         owner = self._tenant(principal, sid)
         stream = await _submit(functools.partial(self.engine.warmup, sid, owner, messages, settings))
         try:
@@ -484,10 +503,10 @@ class ModelServicer:
             served_by=by,
         )
 
-    def _turn_settings(self, msg: pb.Settings, sid: str, principal: str) -> Any:
+    async def _turn_settings(self, msg: pb.Settings, sid: str, principal: str) -> SamplingSettings | None:
         if not convert.has_settings(msg):
             return None
-        return convert.settings_from_proto(msg, self.engine.settings_of(sid, self._tenant(principal, sid)))
+        return await self._settings(msg, self.engine.settings_of(sid, self._tenant(principal, sid)))
 
     async def Generate(
         self, request: spb.GenerateRequest, grpc_context: Any = None
@@ -501,12 +520,15 @@ class ModelServicer:
                 sid = await self._here(request.session_id, principal)
                 span.set_attribute("hotloop.session_id", sid)
                 messages = convert.messages_from_proto(request.messages, self.model.limits.max_messages)
-                settings = self._turn_settings(request.settings, sid, principal)
+                settings = await self._turn_settings(request.settings, sid, principal)
                 tools, choice, parallel = convert.tools_from_proto(request)
                 calls = None
                 if tools:
                     fmt = self.engine.template.tool_format
-                    settings = constrain(settings, fmt, tools, choice, parallel, tool_path="tools[{}]")
+                    # The tools' schemas are converted and bounded here: milliseconds, off the event loop.
+                    base = settings or self.engine.settings_of(sid, self._tenant(principal, sid))
+                    constrained = functools.partial(constrain, base, fmt, tools, choice, parallel, "tools[{}]")
+                    settings = await asyncio.to_thread(constrained)
                     calls = ReplyCalls(fmt, tools, choice) if choice.calls and fmt else None
                 t0 = time.perf_counter()
                 owner = self._tenant(principal, sid)

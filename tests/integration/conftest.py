@@ -36,7 +36,17 @@ def integration_config(port: int) -> Config:
             "server": {"grpc_port": port, "http_port": free_port()},
             "telemetry": {"enabled": False},
             "models": [
-                {"name": SINGLE, "engine": engine, "resources": {"num_cpus": 1}},
+                {
+                    "name": SINGLE,
+                    "engine": engine,
+                    "resources": {"num_cpus": 1},
+                    # Bounds the untrusted-input suite reaches in seconds (test_untrusted_input.py).
+                    "limits": {
+                        "sessions_per_principal": 100,
+                        "import_bytes_per_principal": 16 << 20,
+                        "import_bytes_per_replica": 64 << 20,
+                    },
+                },
                 {"name": DUO, "replicas": 2, "engine": engine, "resources": {"num_cpus": 1}},
             ],
         }

@@ -7,6 +7,7 @@ another deployment.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -33,7 +34,14 @@ pytestmark = pytest.mark.integration
 APP = "gemma-sessions"
 LIST_APP = "gemma-sessions-duo"
 GREEDY = Settings(temperature=0, sample_len=12, repeat_penalty=1.0)
-SECRET = "sessions-secret-0123456789abcdef"
+
+
+def fleet_secret() -> str:
+    """The session secret of the shared server's apps (set by the ``server`` fixture): exports move
+    between deployments that share it (their blobs are signed with it; docs/sessions.md)."""
+    return os.environ["HOTLOOP_SESSION_SECRET"]
+
+
 TOKENS = {"alice": "alice-token-0123456789", "bob": "bob-token-0123456789"}
 
 
@@ -55,7 +63,7 @@ def app_config(server: Server, persist: Path | None, name: str = APP, replicas: 
 @pytest.fixture(scope="module")
 def sessions_app(server: Server, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Config]]:
     config = app_config(server, tmp_path_factory.mktemp("persist"))
-    serve.run(model_app(config, config.models[0], SECRET), name=APP, route_prefix=f"/{APP}")
+    serve.run(model_app(config, config.models[0], fleet_secret()), name=APP, route_prefix=f"/{APP}")
     yield server.address, config
     if serve.status().applications.get(APP) is not None:
         serve.delete(APP)
@@ -65,7 +73,7 @@ def sessions_app(server: Server, tmp_path_factory: pytest.TempPathFactory) -> It
 def sessions_duo(server: Server) -> Iterator[str]:
     """Two replicas with bearer tokens, for listing a principal's sessions across replicas."""
     config = app_config(server, None, LIST_APP, replicas=2)
-    serve.run(model_app(config, config.models[0], SECRET), name=LIST_APP, route_prefix=f"/{LIST_APP}")
+    serve.run(model_app(config, config.models[0], fleet_secret()), name=LIST_APP, route_prefix=f"/{LIST_APP}")
     wait_until_every_replica_serves(server.address, LIST_APP, replicas=2, timeout_s=180, token=TOKENS["alice"])
     yield server.address
     if serve.status().applications.get(LIST_APP) is not None:
@@ -195,7 +203,7 @@ def test_a_restarted_server_resumes_sessions_from_disk(sessions_app: tuple[str, 
         list(session.generate(history))
         answered = [*history, Message(Role.ASSISTANT, "Done."), Message(Role.USER, "Thanks. And after that?")]
         serve.delete(APP)  # graceful: the replica writes its sessions to the disk tier
-        serve.run(model_app(config, config.models[0], SECRET), name=APP, route_prefix=f"/{APP}")
+        serve.run(model_app(config, config.models[0], fleet_secret()), name=APP, route_prefix=f"/{APP}")
         t0 = time.monotonic()
         chunks = list(session.generate(answered))
         usage = chunks[-1].usage

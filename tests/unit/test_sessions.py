@@ -11,16 +11,18 @@ from tiny_gguf import write_tiny_gguf
 
 from hotloop_serve.engine import ChatMessage as M
 from hotloop_serve.engine import Engine, EngineOptions, SamplingSettings
-from hotloop_serve.engine.persist import DiskStore, model_fingerprint
+from hotloop_serve.engine.persist import BlobKeys, DiskStore, model_fingerprint
 from hotloop_serve.errors import FailedPrecondition, InvalidArgument, NotFound
 
 GREEDY = SamplingSettings(temperature=0, sample_len=16, repeat_penalty=1.0)
+KEYS = BlobKeys([b"a fleet's shared export key"])
+"""Engines that move sessions between them share a key (each would make its own otherwise)."""
 OPTS = EngineOptions(context_tokens=4096, session_context_tokens=1024, hot_sessions=4)
 
 
 @pytest.fixture
 def engine(tiny_model: Path) -> Iterator[Engine]:
-    with Engine(str(tiny_model), OPTS) as e:
+    with Engine(str(tiny_model), OPTS, blob_keys=KEYS) as e:
         yield e
 
 
@@ -40,7 +42,7 @@ def chat(n_turns: int) -> list[M]:
 
 
 def fresh_text(model: Path, history: list[M]) -> str:
-    with Engine(str(model), OPTS) as e:
+    with Engine(str(model), OPTS, blob_keys=KEYS) as e:
         return e.generate("fresh", "p", history, GREEDY).result().text
 
 
@@ -111,12 +113,12 @@ def test_list_shows_only_the_callers_sessions(engine: Engine) -> None:
 
 def test_export_then_import_into_another_engine(tiny_model: Path) -> None:
     turn2 = [*chat(2), M("user", "next")]
-    with Engine(str(tiny_model), OPTS) as a:
+    with Engine(str(tiny_model), OPTS, blob_keys=KEYS) as a:
         a.generate("s", "p", chat(2), GREEDY).result()
         settle(a)
         blob = a.export_session("s", "p")
         expected = a.generate("s", "p", turn2, GREEDY).result()
-    with Engine(str(tiny_model), OPTS) as b:
+    with Engine(str(tiny_model), OPTS, blob_keys=KEYS) as b:
         info = b.import_session("t", "q", blob)
         assert info.state == "hot" and info.context_tokens > 0
         got = b.generate("t", "q", turn2, GREEDY).result()
@@ -128,7 +130,7 @@ def test_export_then_import_into_another_engine(tiny_model: Path) -> None:
 
 
 def test_a_handed_over_session_replaces_only_a_shorter_idle_copy(tiny_model: Path) -> None:
-    with Engine(str(tiny_model), OPTS) as a:
+    with Engine(str(tiny_model), OPTS, blob_keys=KEYS) as a:
         a.generate("s", "p", chat(3), GREEDY).result()
         settle(a)
         long_blob = a.export_session("s", "p")
@@ -136,7 +138,7 @@ def test_a_handed_over_session_replaces_only_a_shorter_idle_copy(tiny_model: Pat
         a.generate("s", "p", chat(1), GREEDY).result()
         settle(a)
         short_blob = a.export_session("s", "p")
-    with Engine(str(tiny_model), OPTS) as b:
+    with Engine(str(tiny_model), OPTS, blob_keys=KEYS) as b:
         b.generate("s", "p", chat(1), GREEDY).result()  # a stale copy: a turn that spilled here
         settle(b)
         stale = b.session_info("s", "p").context_tokens
@@ -153,7 +155,7 @@ def test_a_handed_over_session_replaces_only_a_shorter_idle_copy(tiny_model: Pat
 
 def test_damaged_or_foreign_exports_are_refused_and_leave_nothing(tiny_model: Path, tmp_path: Path) -> None:
     other = write_tiny_gguf(tmp_path / "other.gguf", seed=1)
-    with Engine(str(tiny_model), OPTS) as a:
+    with Engine(str(tiny_model), OPTS, blob_keys=KEYS) as a:
         a.generate("s", "p", chat(2), GREEDY).result()
         settle(a)
         blob = a.export_session("s", "p")
@@ -164,7 +166,7 @@ def test_damaged_or_foreign_exports_are_refused_and_leave_nothing(tiny_model: Pa
             with pytest.raises(err):
                 a.import_session("x", "p", bad)
             assert not a.known("x")
-    with Engine(str(other), OPTS) as b:
+    with Engine(str(other), OPTS, blob_keys=KEYS) as b:
         with pytest.raises(FailedPrecondition, match="another model"):
             b.import_session("x", "p", blob)
         assert not b.known("x") and b.stats().free_sequences == OPTS.hot_sessions
@@ -173,17 +175,17 @@ def test_damaged_or_foreign_exports_are_refused_and_leave_nothing(tiny_model: Pa
 def test_sessions_survive_a_restart_through_the_disk_tier(tiny_model: Path, tmp_path: Path) -> None:
     opts = EngineOptions(context_tokens=4096, session_context_tokens=1024, hot_sessions=4, persist_dir=str(tmp_path))
     turn2 = [*chat(3), M("user", "after the restart")]
-    with Engine(str(tiny_model), OPTS) as ref:
+    with Engine(str(tiny_model), OPTS, blob_keys=KEYS) as ref:
         ref.generate("s", "p", chat(3), GREEDY).result()
         settle(ref)
         expected = ref.generate("s", "p", turn2, GREEDY).result()
-    with Engine(str(tiny_model), opts) as a:
+    with Engine(str(tiny_model), opts, blob_keys=KEYS) as a:
         a.generate("s", "p", chat(3), GREEDY).result()
         settle(a)
     assert len(list(tmp_path.glob("*.session"))) == 1  # snapshotted at shutdown
-    store = DiskStore(tmp_path, 1 << 30, model_fingerprint(tiny_model))
+    store = DiskStore(tmp_path, 1 << 30, model_fingerprint(tiny_model), KEYS)
     assert store.get("s", "mallory") is None  # bound to its principal
-    with Engine(str(tiny_model), opts) as b:
+    with Engine(str(tiny_model), opts, blob_keys=KEYS) as b:
         got = b.generate("s", "p", turn2, GREEDY).result()
         assert b.stats().disk_restores == 1
     assert got.usage is not None and expected.usage is not None
@@ -193,22 +195,23 @@ def test_sessions_survive_a_restart_through_the_disk_tier(tiny_model: Path, tmp_
 
 def test_a_damaged_file_is_a_cache_miss(tiny_model: Path, tmp_path: Path) -> None:
     opts = EngineOptions(context_tokens=4096, session_context_tokens=1024, hot_sessions=4, persist_dir=str(tmp_path))
-    with Engine(str(tiny_model), opts) as a:
+    with Engine(str(tiny_model), opts, blob_keys=KEYS) as a:
         first = a.generate("s", "p", chat(2), GREEDY).result()
         settle(a)
     (f,) = tmp_path.glob("*.session")
     f.write_bytes(f.read_bytes()[:-100])
-    with Engine(str(tiny_model), opts) as b:
+    with Engine(str(tiny_model), opts, blob_keys=KEYS) as b:
         again = b.generate("s", "p", chat(2), GREEDY).result()
     assert again.usage is not None and again.usage.restored_tokens == 0 and again.text == first.text
-    assert DiskStore(tmp_path, 1 << 30, model_fingerprint(tiny_model)).get("s", "p") is not None  # rewritten whole
+    rewritten = DiskStore(tmp_path, 1 << 30, model_fingerprint(tiny_model), KEYS).get("s", "p")
+    assert rewritten is not None  # rewritten whole
 
 
 def test_ram_overflow_spills_to_disk_and_clear_deletes_it(tiny_model: Path, tmp_path: Path) -> None:
     opts = EngineOptions(
         context_tokens=4096, session_context_tokens=1024, hot_sessions=1, evicted_bytes=0, persist_dir=str(tmp_path)
     )
-    with Engine(str(tiny_model), opts) as e:
+    with Engine(str(tiny_model), opts, blob_keys=KEYS) as e:
         e.generate("a", "p", chat(2), GREEDY).result()
         settle(e)
         e.generate("b", "p", chat(1), GREEDY).result()  # "a" leaves the only sequence; RAM holds nothing
