@@ -117,12 +117,13 @@ def avoiding(trigger: str, then: str, prefix: str = "text") -> list[str]:
             state = fail[state - 1]
 
     alphabet = sorted(set(trigger))
-    others = "[^" + "".join(_class_char(c) for c in alphabet) + "]"
     rules = []
     for state in range(m):
-        alts = [f"{others} {prefix}-0"]
-        for ch in alphabet:
-            nxt = step(state, ch)
+        # Every character that falls back to state 0 goes into one negated class: few alternatives
+        # per state keep the sampler's parse stacks few (it checks each against the vocabulary).
+        onward = {ch: step(state, ch) for ch in alphabet if step(state, ch) != 0}
+        alts = ["[^" + "".join(_class_char(c) for c in sorted(onward)) + f"] {prefix}-0"]
+        for ch, nxt in sorted(onward.items()):
             alts.append(f"{literal(ch)} {then if nxt == m else f'{prefix}-{nxt}'}")
         rules.append(f"{prefix}-{state} ::= | {' | '.join(alts)}")  # empty first: "| " at a line's end continues it
     return rules
