@@ -81,6 +81,10 @@ class Limits(_Strict):
     """Bytes of unfinished imports (parts received, last part not yet) one principal may have on a replica."""
     import_bytes_per_replica: Annotated[int, Field(ge=1 << 20)] = 1 << 30
     """Bytes of unfinished imports a replica holds for all principals together."""
+    responses_per_principal: Annotated[int, Field(ge=1)] = 1000
+    """Stored responses (``/v1/responses`` with ``store``) a principal may keep on a replica."""
+    response_bytes_per_principal: Annotated[int, Field(ge=1024)] = 64 * 1024 * 1024
+    """Bytes of stored input and output items a principal may keep on a replica."""
 
 
 class Routing(_Strict):

@@ -5,6 +5,10 @@ the history lives here (as in hot-loop) and is sent whole each turn; the server'
 only keeps it hot. ``run_chat`` is the entry point other CLIs (``hotloop-serve start``)
 call once their server is up; ``main`` is the ``hotloop`` console script.
 
+With ``--tools FILE`` (a JSON list of function tools, OpenAI's shape) the model may call them:
+each call is shown as it streams, and ``/result <text>`` answers the next unanswered call;
+once every call has its result, the model's turn continues.
+
 Input may be piped (``printf 'hi\\n/quit\\n' | hotloop``): lines are then read from stdin
 and echoed, so a transcript reads like a session and tests can drive it.
 """
@@ -33,8 +37,11 @@ from hotloop_client import (
     Role,
     Session,
     Settings,
+    Tool,
+    ToolCall,
     TurnInterrupted,
     Usage,
+    assistant_message,
     with_message_replaced,
 )
 from rich.console import Console
@@ -57,6 +64,9 @@ HELP = """\
 /sessions              your sessions of this model on the server
 /export <file>         save this session (its KV cache and the conversation) to a file
 /import <file>         continue in a new session from an exported file (same model)
+/tools                 the tools offered to the model (--tools FILE) and the tool choice
+/tool_choice <c>       auto, none, required, or a tool's name
+/result <text>         the result of the model's next unanswered tool call
 /help                  this text
 /quit                  leave (also Ctrl-D; Ctrl-C cancels a reply)"""
 
@@ -148,6 +158,26 @@ EXPORT_MAGIC = b"HOTLOOP-CHAT 1\n"
 history), then the session's exported blob (``Session.export()``) as is."""
 
 
+def load_tools(data: str) -> list[Tool]:
+    """``--tools``' file: a JSON list of function tools, as OpenAI's ``tools`` (``{"type":
+    "function", "function": {...}}``) or flat (``{"name", "description", "parameters"}``)."""
+    try:
+        items = json.loads(data)
+        if not isinstance(items, list):
+            raise ValueError("the file must hold a JSON list of tools")
+        tools = []
+        for item in items:
+            fn = item.get("function", item)
+            tools.append(Tool(fn["name"], fn.get("description", ""), fn.get("parameters")))
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise ValueError(f"not a tools file: {exc}") from exc
+    return tools
+
+
+def call_line(call: ToolCall) -> str:
+    return f"→ {call.name}({call.arguments})  [{call.id}]"
+
+
 def write_export(path: Path, model: str, system: str | None, history: list[Message], blob: bytes) -> None:
     """Write ``/export``'s file atomically (a temporary file renamed over ``path``)."""
     header = {"model": model, "system": system, "history": [[m.role.value, m.content] for m in history]}
@@ -217,6 +247,8 @@ class Chat:
         self.model = model
         self.branches = [Branch(session, system, [])]
         self.current = 0
+        self.tools: list[Tool] = []
+        self.tool_choice = ""
 
     # The current branch's parts, under the names the chat always used.
     @property
@@ -281,26 +313,43 @@ class Chat:
             except HotloopError as exc:
                 self.show_error(exc, mid_line=True)
                 return False
-            self.history = [*history, Message(Role.ASSISTANT, reply)]
+            self.history = [*history, reply]
+            if reply.tool_calls:
+                self.console.print("answer each call with /result <text>", style="dim", markup=False)
             line = stats_line(last.usage if last else None, last)
             if line:
                 self.console.print(line, style="dim", markup=False, highlight=False)
             return True
         return False  # unreachable: the second attempt returns
 
-    def _stream(self, messages: list[Message]) -> tuple[str, Chunk | None]:
-        parts: list[str] = []
-        last: Chunk | None = None
+    def _stream(self, messages: list[Message]) -> tuple[Message, Chunk | None]:
+        """Stream a reply: its text as it comes, then each call it made; (the reply, its last chunk)."""
+        chunks: list[Chunk] = []
         self.console.print(f"{self.session.model}> ", style="bold green", end="", markup=False)
+        generate = self.session.generate(messages, tools=self.tools, tool_choice=self.tool_choice)
         # closing(): a Ctrl-C anywhere in the loop cancels the RPC at once.
-        with contextlib.closing(self.session.generate(messages)) as stream:
+        with contextlib.closing(generate) as stream:
             for chunk in stream:
+                chunks.append(chunk)
                 if chunk.text:
-                    parts.append(chunk.text)
                     self.console.print(chunk.text, end="", markup=False, highlight=False, soft_wrap=True)
-                last = chunk
         self.console.print()
-        return "".join(parts), last
+        reply = assistant_message(chunks)
+        for call in reply.tool_calls:
+            self.console.print(call_line(call), style="magenta", markup=False, highlight=False)
+        return reply, chunks[-1] if chunks else None
+
+    def unanswered_calls(self) -> list[ToolCall]:
+        """The last reply's calls that have no result yet (in the order the model made them)."""
+        answered: set[str] = set()
+        for m in reversed(self.history):
+            if m.role == Role.TOOL:
+                answered.add(m.tool_call_id)
+            elif m.role == Role.ASSISTANT:
+                return [c for c in m.tool_calls if c.id not in answered]
+            else:
+                return []
+        return []
 
     def show_error(self, exc: HotloopError, *, mid_line: bool = False) -> None:
         prefix = "\n" if mid_line else ""
@@ -347,11 +396,47 @@ class Chat:
                 self._cmd_export(arg)
             elif name == "import":
                 self._cmd_import(arg)
+            elif name == "tools":
+                self._cmd_tools()
+            elif name == "tool_choice":
+                self._cmd_tool_choice(arg)
+            elif name == "result":
+                self._cmd_result(arg)
             else:
                 self.console.print(f"unknown command /{name}; /help lists them", style="yellow", markup=False)
         except HotloopError as exc:
             self.show_error(exc)
         return True
+
+    def _cmd_tools(self) -> None:
+        if not self.tools:
+            self.console.print("no tools (start the chat with --tools FILE)", markup=False)
+            return
+        for t in self.tools:
+            self.console.print(f"{t.name}: {t.description}", markup=False, highlight=False)
+        self.console.print(f"tool choice: {self.tool_choice or 'auto'}", style="dim", markup=False)
+
+    def _cmd_tool_choice(self, arg: str) -> None:
+        if arg not in ("auto", "none", "required") and arg not in {t.name for t in self.tools}:
+            self._usage("/tool_choice auto|none|required|<tool name>")
+            return
+        self.tool_choice = arg
+        self.console.print(f"tool choice: {arg}", style="dim", markup=False)
+
+    def _cmd_result(self, text: str) -> None:
+        """Answer the next unanswered call; with all of them answered, the model goes on."""
+        if not text:
+            self._usage("/result <text>")
+            return
+        pending = self.unanswered_calls()
+        if not pending:
+            self.console.print("no tool call is waiting for a result", style="yellow", markup=False)
+            return
+        self.history = [*self.history, Message(Role.TOOL, text, tool_call_id=pending[0].id)]
+        if len(pending) > 1:
+            self.console.print(f"{len(pending) - 1} more call(s) to answer", style="dim", markup=False)
+            return
+        self.reply_to(self.history)
 
     def _cmd_system(self, text: str) -> None:
         if not text:
@@ -406,6 +491,8 @@ class Chat:
             self.console.print("(no messages yet)", style="dim")
         for k, message in enumerate(self.history, 1):
             self.console.print(f"{k:>3} {message.role.value}: {message.content}", markup=False, highlight=False)
+            for call in message.tool_calls:
+                self.console.print(f"      {call_line(call)}", markup=False, highlight=False)
 
     def _cmd_regenerate(self) -> None:
         if not self.history or self.history[-1].role != Role.ASSISTANT:
@@ -586,6 +673,7 @@ def run_chat(
     settings: Settings | None = None,
     console: Console | None = None,
     read_line: ReadLine | None = None,
+    tools: list[Tool] | None = None,
 ) -> int:
     """Chat with ``model`` (default: the server's first) at ``address``; returns an exit code.
 
@@ -606,6 +694,7 @@ def run_chat(
             console.print(f"cannot start a chat at {address}: {exc}", style="bold red", markup=False)
             return 1
         chat = Chat(session, console, system, model=client.model(model))
+        chat.tools = list(tools or ())
         try:
             console.print(f"chatting with {model} at {address}; /help for commands", style="dim", markup=False)
             try:
@@ -639,9 +728,17 @@ def chat(
     temperature: Annotated[float | None, typer.Option(help="sampling temperature (0 = greedy)")] = None,
     seed: Annotated[int | None, typer.Option(help="fixed seed for reproducible replies")] = None,
     sample_len: Annotated[int | None, typer.Option(help="maximum tokens per reply")] = None,
+    tools: Annotated[
+        Path | None,
+        typer.Option(exists=True, dir_okay=False, help="JSON file of function tools the model may call"),
+    ] = None,
 ) -> None:
     """Chat with a served model; the reply streams as it is generated."""
     settings = Settings(temperature=temperature, seed=seed, sample_len=sample_len)
+    try:
+        offered = load_tools(tools.read_text()) if tools else None
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--tools") from exc
     code = run_chat(
         address,
         model,
@@ -650,6 +747,7 @@ def chat(
         root_certificates=root_certificates.read_bytes() if root_certificates else None,
         system=system,
         settings=settings,
+        tools=offered,
     )
     raise typer.Exit(code)
 

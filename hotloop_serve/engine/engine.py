@@ -60,6 +60,7 @@ from hotloop_serve.engine.scheduler import BatchPlan, Scheduler
 from hotloop_serve.engine.session import KVBytes, Session, SessionPhase, SessionRegistry
 from hotloop_serve.engine.settings import SamplingSettings
 from hotloop_serve.engine.stream import RequestStream
+from hotloop_serve.engine.tools import ToolSpec
 from hotloop_serve.errors import (
     FailedPrecondition,
     HotloopError,
@@ -227,12 +228,16 @@ class Engine:
         return self._thread.is_alive() and not self._stopping and self._failure is None
 
     def render(
-        self, messages: Sequence[ChatMessage], add_generation_prompt: bool = True, session: str | None = None
+        self,
+        messages: Sequence[ChatMessage],
+        add_generation_prompt: bool = True,
+        session: str | None = None,
+        tools: Sequence[ToolSpec] = (),
     ) -> list[int]:
-        """History -> prompt tokens (on the caller's thread). With ``session``, only the text past
-        that session's previous prompt is tokenized (``PromptTokenizer``: same tokens, a turn's
-        worth of work instead of the whole history's)."""
-        text = self.template.render(messages, add_generation_prompt)
+        """History (and the tools offered) -> prompt tokens (on the caller's thread). With
+        ``session``, only the text past that session's previous prompt is tokenized
+        (``PromptTokenizer``: same tokens, a turn's worth of work instead of the whole history's)."""
+        text = self.template.render(messages, add_generation_prompt, tools)
         tokens = self._prompts.tokenize(text, session)
         if self.model.add_bos and self._bos_text and not text.startswith(self._bos_text):
             tokens.insert(0, self.model.bos)
@@ -296,13 +301,16 @@ class Engine:
         owner: str,
         messages: Sequence[ChatMessage],
         settings: SamplingSettings | None = None,
+        tools: Sequence[ToolSpec] = (),
     ) -> RequestStream:
         """Start a reply to ``messages``; read it from the returned stream.
 
+        ``tools`` are rendered into the prompt by the chat template; constraining the reply to
+        calls is the settings' grammar (``tool_grammar.py``), parsing it the caller's.
         A request still running for the same session is superseded (cancelled): a client that
         retries a turn after losing the first attempt's stream is never refused.
         """
-        return self._submit(RequestKind.GENERATE, session_id, owner, messages, settings)
+        return self._submit(RequestKind.GENERATE, session_id, owner, messages, settings, tools)
 
     def warmup(
         self,
@@ -482,6 +490,7 @@ class Engine:
         owner: str,
         messages: Sequence[ChatMessage],
         settings: SamplingSettings | None,
+        tools: Sequence[ToolSpec] = (),
     ) -> RequestStream:
         if not messages:
             raise InvalidArgument("history is empty: send at least one message")
@@ -491,8 +500,10 @@ class Engine:
             base = existing.settings if existing is not None and existing.owner == owner else self.defaults
         settings = settings or base
         self.validate(settings)
-        prompt = self.render(messages, add_generation_prompt=kind is RequestKind.GENERATE, session=session_id)
-        prompt = self._fit(prompt, messages, settings, kind)
+        prompt = self.render(
+            messages, add_generation_prompt=kind is RequestKind.GENERATE, session=session_id, tools=tools
+        )
+        prompt = self._fit(prompt, messages, settings, kind, tools)
         # Built here, not under the lock: a grammar sampler's build is llama.cpp parsing the
         # grammar, and the scheduler thread must never wait on it.
         generate = kind is RequestKind.GENERATE
@@ -530,7 +541,12 @@ class Engine:
         return req.stream
 
     def _fit(
-        self, prompt: list[int], messages: Sequence[ChatMessage], settings: SamplingSettings, kind: RequestKind
+        self,
+        prompt: list[int],
+        messages: Sequence[ChatMessage],
+        settings: SamplingSettings,
+        kind: RequestKind,
+        tools: Sequence[ToolSpec] = (),
     ) -> list[int]:
         """Check the prompt fits the session's window; drop the oldest turns if the settings allow it.
 
@@ -551,7 +567,8 @@ class Engine:
         headroom = min(settings.sample_len, self.session_context // 4)
 
         def render_dropping(k: int) -> list[int]:
-            return self.render([*msgs[:keep_system], *msgs[keep_system + k :]], add_generation_prompt=generate)
+            kept = [*msgs[:keep_system], *msgs[keep_system + k :]]
+            return self.render(kept, add_generation_prompt=generate, tools=tools)
 
         lo, hi = 1, len(msgs) - keep_system - 1  # drop at least one turn, keep the last message
         best: list[int] | None = None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from typing import Any
 
@@ -11,9 +12,12 @@ from hotloop.v1 import session_pb2 as spb
 from hotloop_serve.engine.chat_template import ChatMessage
 from hotloop_serve.engine.settings import SamplingSettings
 from hotloop_serve.engine.stream import Chunk, Timings, TokenLogprob, Usage
+from hotloop_serve.engine.tools import ToolCall, ToolChoice, ToolSpec
 from hotloop_serve.errors import InvalidArgument
+from hotloop_serve.serve.openai_tools import tool_choice_of, tool_spec
 
-_ROLES = {pb.ROLE_SYSTEM: "system", pb.ROLE_USER: "user", pb.ROLE_ASSISTANT: "assistant"}
+_ROLES = {pb.ROLE_SYSTEM: "system", pb.ROLE_USER: "user", pb.ROLE_ASSISTANT: "assistant", pb.ROLE_TOOL: "tool"}
+FINISH_TOOL_CALLS = pb.FINISH_REASON_TOOL_CALLS
 _FINISH = {
     "eos": pb.FINISH_REASON_EOS,
     "length": pb.FINISH_REASON_LENGTH,
@@ -36,16 +40,58 @@ def messages_from_proto(messages: Sequence[pb.Message], max_messages: int) -> li
             field="messages",
         )
     out = []
+    calls: dict[str, str] = {}  # id -> name of the calls made so far
     for i, m in enumerate(messages):
         role = _ROLES.get(m.role)
         if role is None:
             raise InvalidArgument(
-                f"message {i}: unknown role {m.role}; use ROLE_SYSTEM, ROLE_USER or ROLE_ASSISTANT",
+                f"message {i}: unknown role {m.role}; use ROLE_SYSTEM, ROLE_USER, ROLE_ASSISTANT or ROLE_TOOL",
                 reason="UNKNOWN_ROLE",
                 field=f"messages[{i}].role",
             )
-        out.append(ChatMessage(role, m.content))
+        if m.tool_calls and role != "assistant":
+            raise InvalidArgument(
+                f"message {i}: only assistant messages carry tool calls", field=f"messages[{i}].tool_calls"
+            )
+        if role == "tool":
+            if m.tool_call_id not in calls:
+                raise InvalidArgument(
+                    f"message {i}: tool_call_id {m.tool_call_id[:80]!r} matches no tool call of an earlier message",
+                    field=f"messages[{i}].tool_call_id",
+                )
+            out.append(ChatMessage(role, m.content, tool_call_id=m.tool_call_id, name=calls[m.tool_call_id]))
+            continue
+        tool_calls = tuple(ToolCall(c.id, c.name, c.arguments) for c in m.tool_calls)
+        calls.update((c.id, c.name) for c in tool_calls)
+        out.append(ChatMessage(role, m.content, tool_calls=tool_calls))
     return out
+
+
+def tools_from_proto(request: spb.GenerateRequest) -> tuple[tuple[ToolSpec, ...], ToolChoice, bool]:
+    """A Generate's (tools, tool choice, parallel calls allowed), checked as the HTTP API's are."""
+    tools = []
+    for i, t in enumerate(request.tools):
+        try:
+            parameters = json.loads(t.parameters) if t.parameters else None
+        except json.JSONDecodeError as e:
+            raise InvalidArgument(
+                f"tools[{i}].parameters is not valid JSON: {e}", field=f"tools[{i}].parameters"
+            ) from e
+        if parameters is not None and not isinstance(parameters, dict):
+            raise InvalidArgument(f"tools[{i}].parameters must be a JSON object", field=f"tools[{i}].parameters")
+        tools.append(tool_spec(t.name, t.description, parameters, f"tools[{i}]"))
+    mode = request.tool_choice if request.tool_choice in ("auto", "none", "required") else None
+    named = request.tool_choice if request.tool_choice and mode is None else None
+    parallel = request.parallel_tool_calls if request.HasField("parallel_tool_calls") else True
+    return tuple(tools), tool_choice_of(tools, mode, named, "tool_choice"), parallel
+
+
+def tool_calls_to_proto(pieces: Sequence[dict[str, Any]]) -> list[pb.ToolCallDelta]:
+    """The call pieces of a reply item (``openai_tools.ReplyCalls``) as ``ToolCallDelta``s."""
+    return [
+        pb.ToolCallDelta(index=p["index"], id=p.get("id", ""), name=p.get("name", ""), arguments=p["arguments"])
+        for p in pieces
+    ]
 
 
 def settings_from_proto(msg: pb.Settings, base: SamplingSettings) -> SamplingSettings:

@@ -7,7 +7,9 @@ the routes call is defined above the class, which Ray ships by value.)
 Each model's application answers, under its route prefix ``/<model>``:
 
 - ``GET /v1/models`` (and ``/v1/models/{id}``): the models this server serves;
-- ``POST /v1/chat/completions``: a reply, streamed as server-sent events with ``"stream": true``.
+- ``POST /v1/chat/completions``: a reply, streamed as server-sent events with ``"stream": true``;
+- ``POST /v1/responses``, ``GET`` / ``DELETE /v1/responses/{id}``, ``GET .../input_items``: the
+  Responses API, whose stored responses live on their conversation's owner, with its session.
 
 A request goes through the same bearer tokens (``Authorization: Bearer``), limits, engine and
 telemetry as the gRPC API. The replica that receives it (Ray's HTTP proxy picks any) only
@@ -25,6 +27,7 @@ import asyncio
 import functools
 import json
 import logging
+import secrets
 import time
 import uuid
 from collections import OrderedDict
@@ -36,10 +39,18 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 
+from hotloop_serve.engine.chat_template import ChatMessage
+from hotloop_serve.engine.settings import SamplingSettings
 from hotloop_serve.engine.stream import RequestStream
+from hotloop_serve.engine.tools import ToolSpec
 from hotloop_serve.errors import HotloopError, NotFound, ResourceExhausted, Unavailable
 from hotloop_serve.serve import openai_schema as oa
+from hotloop_serve.serve import responses_schema as rs
 from hotloop_serve.serve.deployment import ModelReplica
+from hotloop_serve.serve.openai_tools import ReplyCalls, chat_tools, constrain
+from hotloop_serve.serve.responses_disk import ResponseDisk
+from hotloop_serve.serve.responses_http import collect_response, item_page, response_events
+from hotloop_serve.serve.responses_store import ResponseStore, StoredResponse
 from hotloop_serve.serve.servicer import _submit
 
 log = logging.getLogger("ray.serve")
@@ -80,6 +91,17 @@ def error_response(e: BaseException) -> JSONResponse:
     return JSONResponse(body, status_code=status, headers=headers)
 
 
+def failure_response(e: BaseException) -> Response:
+    """The error response of a turn that could not start (Ray's routing errors mapped too)."""
+    if isinstance(e, BackPressureError):  # every replica that could serve it is full, and Ray's queue
+        return error_response(
+            ResourceExhausted("every replica of this model is busy and its queue is full; retry later")
+        )
+    if isinstance(e, DeploymentUnavailableError):
+        return error_response(Unavailable("no replica of this model is running; retry later"))
+    return error_response(e)
+
+
 def _sse(data: dict[str, Any] | str) -> bytes:
     return f"data: {data if isinstance(data, str) else json.dumps(data, separators=(',', ':'))}\n\n".encode()
 
@@ -90,9 +112,30 @@ def _as_error(error: dict[str, Any]) -> HotloopError:
     return e
 
 
+def _join_calls(calls: list[dict[str, Any]], pieces: list[dict[str, Any]]) -> None:
+    """Add an item's call pieces to the calls so far (OpenAI's ``tool_calls`` shape)."""
+    for piece in pieces:
+        if "id" in piece:
+            calls.append({"id": piece["id"], "type": "function", "function": {"name": piece["name"], "arguments": ""}})
+        calls[piece["index"]]["function"]["arguments"] += piece["arguments"]
+
+
+def _call_deltas(pieces: list[dict[str, Any]]) -> dict[str, Any]:
+    """An item's call pieces as a chunk's ``delta.tool_calls`` (id, type and name on a call's first)."""
+    out = []
+    for piece in pieces:
+        delta: dict[str, Any] = {"index": piece["index"], "function": {"arguments": piece["arguments"]}}
+        if "id" in piece:
+            delta.update(id=piece["id"], type="function")
+            delta["function"]["name"] = piece["name"]
+        out.append(delta)
+    return {"tool_calls": out}
+
+
 async def _collect(cid: str, model: str, first: dict[str, Any], items: Any) -> Response:
     """A non-streaming reply: every item joined into one ``chat.completion``."""
     text: list[str] = []
+    calls: list[dict[str, Any]] = []
     logprobs: list[dict[str, Any]] | None = None
     item = first
     try:
@@ -100,6 +143,8 @@ async def _collect(cid: str, model: str, first: dict[str, Any], items: Any) -> R
             if "error" in item:
                 return error_response(_as_error(item["error"]))
             text.append(item["text"])
+            if "tool_calls" in item:
+                _join_calls(calls, item["tool_calls"])
             if "logprobs" in item:
                 logprobs = logprobs or []
                 logprobs.extend(item["logprobs"])
@@ -109,6 +154,10 @@ async def _collect(cid: str, model: str, first: dict[str, Any], items: Any) -> R
     finally:  # the client left (Ray cancels this task), or an error: stop the turn on its replica
         items.cancel()
     body = oa.completion_json(cid, model, "".join(text), item["finish_reason"], logprobs, item["usage"])
+    if calls:
+        message = body["choices"][0]["message"]
+        message["tool_calls"] = calls
+        message["content"] = message["content"] or None
     body["hotloop"] = item["hotloop"]
     return JSONResponse(body)
 
@@ -128,6 +177,8 @@ async def _events(cid: str, model: str, first: dict[str, Any], items: Any, inclu
             lp = item.get("logprobs")
             if item["text"] or lp:
                 yield _sse(oa.chunk_json(cid, model, created, {"content": item["text"]}, logprobs=lp))
+            if "tool_calls" in item:
+                yield _sse(oa.chunk_json(cid, model, created, _call_deltas(item["tool_calls"])))
             if "finish_reason" in item:
                 last = oa.chunk_json(cid, model, created, {}, item["finish_reason"])
                 last["hotloop"] = item["hotloop"]
@@ -152,6 +203,10 @@ class HttpModelReplica(ModelReplica):
         super().__init__(config, model, session_secret)
         self._http_busy: set[str] = set()
         self._http_lru: OrderedDict[str, str] = OrderedDict()  # session id -> principal, oldest first
+        limits = self.model.limits
+        self._responses = ResponseStore(limits.responses_per_principal, limits.response_bytes_per_principal)
+        persist_dir = self.engine.options.persist_dir
+        self._response_disk = ResponseDisk(persist_dir) if persist_dir else None
 
     # -- the receiving replica ------------------------------------------------------------
     def _http_principal(self, request: Request) -> str:
@@ -244,8 +299,13 @@ class HttpModelReplica(ModelReplica):
             settings = await asyncio.to_thread(oa.settings_of, req, self.engine.defaults)
         else:
             settings = oa.settings_of(req, self.engine.defaults)
+        tools, choice, parallel = chat_tools(req)
+        if tools:  # the tools' schemas are converted and bounded: milliseconds, off the event loop
+            fmt = self.engine.template.tool_format
+            settings = await asyncio.to_thread(constrain, settings, fmt, tools, choice, parallel)
         key = oa.conversation_key(principal, req.model, messages, session)
-        call = oa.ChatCall(key, principal, messages, settings, traceparent)
+        parse = choice if tools and choice.calls else None
+        call = oa.ChatCall(key, principal, messages, settings, traceparent, tools, parse)
         handle = serve.get_deployment_handle(self._deployment, self._app)
         return handle.options(stream=True, session_id=key).OpenAIChat.remote(call)
 
@@ -264,12 +324,123 @@ class HttpModelReplica(ModelReplica):
             if items is not None:
                 items.cancel()
 
+    # -- the Responses API, receiving side ------------------------------------------------
+    @api.post("/v1/responses")
+    async def create_response(self, request: Request) -> Response:
+        try:
+            principal = self._http_principal(request)
+            req = rs.parse_response_request(await self._body(request))
+            session, traceparent = request.headers.get(oa.SESSION_HEADER), request.headers.get("traceparent")
+            if req.model == self.model.name:
+                items = await self._respond(req, principal, session, traceparent)
+            elif req.model in {m.name for m in self.config.models}:
+                other = serve.get_deployment_handle(req.model, req.model)
+                items = other.options(stream=True).OpenAIRespondForward.remote(req, principal, session, traceparent)
+            else:
+                served = ", ".join(m.name for m in self.config.models)
+                raise NotFound(f"model {req.model!r} not found; this server serves: {served}")
+            first = await items.__anext__()
+            if "error" in first:
+                items.cancel()
+                raise _as_error(first["error"])
+        except Exception as e:
+            return failure_response(e)
+        if req.stream:
+            return StreamingResponse(
+                response_events(first, items),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+            )
+        return await collect_response(items)
+
+    async def _respond(
+        self, req: rs.ResponseRequest, principal: str, session: str | None, traceparent: str | None
+    ) -> Any:
+        """Plan a response of this model and hand it to its conversation's owner: the stream of
+        its items. The conversation is ``previous_response_id``'s (its id holds the routing key),
+        or a new one known by its opening, as a chat completion's."""
+        tools, choice, parallel = rs.tools_of(req)
+        fmt = self.engine.template.tool_format
+
+        def plan() -> SamplingSettings:  # schemas converted and bounded: milliseconds, off the event loop
+            settings = rs.settings_of(req, self.engine.defaults)
+            return constrain(settings, fmt, tools, choice, parallel, tool_path="tools.{}")
+
+        settings = await asyncio.to_thread(plan) if tools or req.text is not None else plan()
+        if req.previous_response_id:
+            key = rs.key_of(req.previous_response_id)
+        else:
+            opening, _ = rs.conversation_of(req, (), self.model.limits.max_messages)
+            system = [ChatMessage("system", req.instructions)] if req.instructions else []
+            key = oa.conversation_key(principal, req.model, [*system, *opening], session)
+        parse = choice if tools and choice.calls else None
+        call = rs.RespondCall(
+            key,
+            rs.new_response_id(key),
+            principal,
+            req,
+            settings,
+            tools,
+            parse,
+            rs.echo_of(req, tools, choice),
+            traceparent,
+        )
+        handle = serve.get_deployment_handle(self._deployment, self._app)
+        return handle.options(stream=True, session_id=key).OpenAIRespond.remote(call)
+
+    async def OpenAIRespondForward(
+        self, req: rs.ResponseRequest, principal: str, session: str | None, traceparent: str | None
+    ) -> AsyncIterator[dict[str, Any]]:
+        """A response for this model received by another model's endpoint (already authenticated)."""
+        items = None
+        try:
+            items = await self._respond(req, principal, session, traceparent)
+            async for item in items:
+                yield item
+        except HotloopError as e:
+            yield {"error": {"code": e.code, "message": e.message, "field": getattr(e, "field", None)}}
+        finally:
+            if items is not None:
+                items.cancel()
+
+    @api.get("/v1/responses/{response_id}")
+    async def get_response(self, response_id: str, request: Request) -> Response:
+        return await self._stored(request, response_id, "get", {})
+
+    @api.delete("/v1/responses/{response_id}")
+    async def delete_response(self, response_id: str, request: Request) -> Response:
+        return await self._stored(request, response_id, "delete", {})
+
+    @api.get("/v1/responses/{response_id}/input_items")
+    async def response_input_items(self, response_id: str, request: Request) -> Response:
+        q = request.query_params
+        limit = q.get("limit", "20")
+        params = {
+            "limit": int(limit) if limit.isdigit() else 20,
+            "order": "asc" if q.get("order") == "asc" else "desc",
+            "after": q.get("after"),
+        }
+        return await self._stored(request, response_id, "input_items", params)
+
+    async def _stored(self, request: Request, response_id: str, op: str, params: dict[str, Any]) -> Response:
+        """A stored response's operation, on its owner (the id's routing key finds it)."""
+        try:
+            principal = self._http_principal(request)
+            key = rs.key_of(response_id)
+            handle = serve.get_deployment_handle(self._deployment, self._app)
+            result = await handle.options(session_id=key).OpenAIStored.remote(principal, response_id, op, params)
+            if "error" in result:
+                raise _as_error(result["error"])
+        except Exception as e:
+            return failure_response(e)
+        return JSONResponse(result["body"])
+
     # -- the conversation's owner ---------------------------------------------------------
-    def _pick_session(self, call: oa.ChatCall) -> str:
+    def _pick_session(self, key: str, principal: str) -> str:
         """The conversation's session on this replica: the key's own, or while that one is busy
         with another request of the conversation, an alternate (it shares the prefix: same principal)."""
         for n in range(ALTERNATE_SESSIONS):
-            sid = self.ids.new(call.principal, call.session_key if n == 0 else f"{call.session_key}-{n}")
+            sid = self.ids.new(principal, key if n == 0 else f"{key}-{n}")
             if sid not in self._http_busy:
                 return sid
         raise ResourceExhausted(
@@ -286,14 +457,29 @@ class HttpModelReplica(ModelReplica):
                 return True
         return False
 
-    async def _start(self, sid: str, call: oa.ChatCall) -> RequestStream:
-        submit = functools.partial(self.engine.generate, sid, call.principal, call.messages, call.settings)
+    async def _start(
+        self,
+        sid: str,
+        principal: str,
+        messages: list[ChatMessage],
+        settings: SamplingSettings,
+        tools: tuple[ToolSpec, ...],
+    ) -> RequestStream:
+        submit = functools.partial(self.engine.generate, sid, principal, messages, settings, tools)
         try:
             return await _submit(submit)
         except ResourceExhausted:
-            if self.engine.known(sid) or not await self._evict_idle_session(call.principal):
+            if self.engine.known(sid) or not await self._evict_idle_session(principal):
                 raise
             return await _submit(submit)
+
+    def _use_session(self, sid: str, principal: str) -> None:
+        """Mark a session busy and most recently used (its principal's idle ones go first)."""
+        self._http_busy.add(sid)
+        self._http_lru[sid] = principal
+        self._http_lru.move_to_end(sid)
+        while len(self._http_lru) > self.engine.options.max_sessions:  # forget the oldest
+            self._http_lru.popitem(last=False)
 
     async def OpenAIChat(self, call: oa.ChatCall) -> AsyncIterator[dict[str, Any]]:
         """Serve one chat turn here (the key's owner, or its next-ranked replica when the owner is
@@ -303,28 +489,31 @@ class HttpModelReplica(ModelReplica):
         sid: str | None = None
         try:
             with self.telemetry.rpc("ChatCompletions", _TraceContext(call.traceparent)) as span:
-                sid = self._pick_session(call)
-                self._http_busy.add(sid)
-                self._http_lru[sid] = call.principal
-                self._http_lru.move_to_end(sid)
-                while len(self._http_lru) > self.engine.options.max_sessions:  # forget the oldest
-                    self._http_lru.popitem(last=False)
+                sid = self._pick_session(call.session_key, call.principal)
+                self._use_session(sid, call.principal)
                 span.set_attribute("hotloop.session_id", sid)
                 t0 = time.perf_counter()
-                stream = await self._start(sid, call)
+                stream = await self._start(sid, call.principal, call.messages, call.settings, call.tools)
+                fmt = self.engine.template.tool_format
+                calls = ReplyCalls(fmt, call.tools, call.tool_choice) if call.tool_choice and fmt else None
                 first = True
                 async for chunk in stream:
                     if first:
                         self.telemetry.first_token(span, time.perf_counter() - t0)
                         first = False
-                    item: dict[str, Any] = {"text": chunk.text}
+                    item: dict[str, Any] = (
+                        calls.item(chunk.text, chunk.final) if calls is not None else {"text": chunk.text}
+                    )
                     if chunk.logprobs is not None:
                         item["logprobs"] = [oa.logprob_json(lp) for lp in chunk.logprobs]
                     if chunk.final:
                         self.telemetry.record_usage(span, chunk, "Generate")
                         u = chunk.usage
                         assert u is not None and chunk.finish_reason is not None
-                        item["finish_reason"] = oa.FINISH_REASONS[chunk.finish_reason]
+                        reason = oa.FINISH_REASONS[chunk.finish_reason]
+                        if calls is not None:
+                            reason = calls.finish_reason(chunk.finish_reason, reason)
+                        item["finish_reason"] = reason
                         item["usage"] = {
                             "prompt_tokens": u.prompt_tokens,
                             "completion_tokens": u.completion_tokens,
@@ -343,6 +532,139 @@ class HttpModelReplica(ModelReplica):
                 yield {"error": {"code": e.code, "message": e.message, "field": getattr(e, "field", None)}}
             else:
                 log.exception("unexpected error serving a chat completion", exc_info=e)
+                yield {"error": {"code": "INTERNAL", "message": f"internal error ({type(e).__name__})"}}
+        finally:
+            if sid is not None:
+                self._http_busy.discard(sid)
+
+    async def OpenAIStored(self, principal: str, response_id: str, op: str, params: dict[str, Any]) -> dict[str, Any]:
+        """GET (``get``, ``input_items``) or DELETE a stored response held here: ``{"body"}`` or ``{"error"}``."""
+        try:
+            rec = await self._find_response(response_id, principal)
+            if op == "delete":
+                session = self._responses.delete(response_id, principal)
+                if self._response_disk is not None:
+                    await asyncio.to_thread(self._response_disk.remove, response_id)
+                if session is not None and session not in self._http_busy:  # no record needs its cache
+                    self._http_lru.pop(session, None)
+                    if self.engine.known(session):
+                        await asyncio.to_thread(self.engine.close_session, session, principal)
+                return {"body": {"id": response_id, "object": "response", "deleted": True}}
+            if op == "input_items":
+                return {"body": item_page(rec.input_items, params["limit"], params["order"], params["after"])}
+            return {"body": rec.body}
+        except HotloopError as e:
+            return {"error": {"code": e.code, "message": e.message, "field": getattr(e, "field", None)}}
+
+    async def _find_response(self, response_id: str, principal: str) -> StoredResponse:
+        """A stored response of ``principal``: held here, or (after a restart or a fleet change)
+        on disk under ``persist_dir``; NotFound otherwise."""
+        try:
+            return self._responses.get(response_id, principal)
+        except NotFound:
+            if self._response_disk is None:
+                raise
+            rec = await asyncio.to_thread(self._response_disk.load, response_id, principal)
+            if rec is None:
+                raise
+            self._responses.put(rec)
+            return rec
+
+    async def _response_session(self, call: rs.RespondCall, prev: StoredResponse | None) -> str:
+        """Where a response runs: a new conversation's session (as a chat's); the session of the
+        response it continues when that session still ends with it; else a fork of that session
+        (an older response continued: both branches stay hot), or a new session rebuilt from the
+        history when the old one is gone."""
+        if prev is None:
+            return self._pick_session(call.key, call.principal)
+        if (
+            self._responses.is_head(prev.session, prev.id)
+            and prev.session not in self._http_busy
+            and self.engine.known(prev.session)
+        ):
+            return prev.session
+        sid = self.ids.new(call.principal, f"{call.key}-{secrets.token_urlsafe(6)}")
+        if self.engine.known(prev.session):
+            try:
+                await asyncio.to_thread(self.engine.fork_session, prev.session, call.principal, sid)
+            except HotloopError as e:  # e.g. no room for another session: the history rebuilds it
+                log.info("responses: could not fork %s (%s); rebuilding from the history", prev.session, e.message)
+        return sid
+
+    async def OpenAIRespond(self, call: rs.RespondCall) -> AsyncIterator[dict[str, Any]]:
+        """Serve one response here (its conversation's owner). Yields a ``start`` item, text and
+        call pieces, then an item with the finished ``response`` (stored when asked); an error is
+        an ``{"error": ...}`` item before anything else, never an exception."""
+        stream: RequestStream | None = None
+        sid: str | None = None
+        req = call.request
+        try:
+            with self.telemetry.rpc("Responses", _TraceContext(call.traceparent)) as span:
+                prev = None
+                if req.previous_response_id:
+                    prev = await self._find_response(req.previous_response_id, call.principal)
+                history = prev.messages if prev is not None else ()
+                if req.store:
+                    self._responses.check_room(call.principal)
+                new, input_items = rs.conversation_of(req, history, self.model.limits.max_messages)
+                system = [ChatMessage("system", req.instructions)] if req.instructions else []
+                sid = await self._response_session(call, prev)
+                self._use_session(sid, call.principal)
+                span.set_attribute("hotloop.session_id", sid)
+                t0 = time.perf_counter()
+                stream = await self._start(sid, call.principal, [*system, *history, *new], call.settings, call.tools)
+                created = int(time.time())
+                message_id = "msg_" + secrets.token_hex(16)
+                progress = rs.response_json(call.response_id, call.echo, "in_progress", [], None, created)
+                yield {"start": {"message_id": message_id, "response": progress}}
+                fmt = self.engine.template.tool_format
+                calls = ReplyCalls(fmt, call.tools, call.tool_choice) if call.tool_choice and fmt else None
+                text: list[str] = []
+                first = True
+                async for chunk in stream:
+                    if first:
+                        self.telemetry.first_token(span, time.perf_counter() - t0)
+                        first = False
+                    item: dict[str, Any] = (
+                        calls.item(chunk.text, chunk.final) if calls is not None else {"text": chunk.text}
+                    )
+                    text.append(item["text"])
+                    if chunk.final:
+                        self.telemetry.record_usage(span, chunk, "Generate")
+                        u = chunk.usage
+                        assert u is not None
+                        usage = {
+                            "prompt_tokens": u.prompt_tokens,
+                            "completion_tokens": u.completion_tokens,
+                            "cached_tokens": u.cached_tokens + u.restored_tokens,
+                        }
+                        found = list(calls.calls) if calls is not None else []
+                        status = "incomplete" if chunk.finish_reason in ("length", "context") else "completed"
+                        output = rs.output_of(message_id, "".join(text), found)
+                        body = rs.response_json(call.response_id, call.echo, status, output, usage, created)
+                        if req.store:
+                            reply = ChatMessage("assistant", "".join(text), tool_calls=tuple(found))
+                            conversation = (*history, *new, reply)
+                            rec = StoredResponse(call.response_id, call.principal, conversation, sid, body, input_items)
+                            self._responses.put(rec)
+                            if self._response_disk is not None:
+                                await asyncio.to_thread(self._response_disk.save, rec)
+                        else:
+                            self._responses.moved(sid, None)
+                        item["response"] = body
+                        item["hotloop"] = oa.hotloop_json(chunk, self.served_by)
+                    yield item
+        except (GeneratorExit, asyncio.CancelledError):
+            if stream is not None:
+                stream.cancel()
+            raise
+        except Exception as e:
+            if stream is not None:
+                stream.cancel()
+            if isinstance(e, HotloopError):
+                yield {"error": {"code": e.code, "message": e.message, "field": getattr(e, "field", None)}}
+            else:
+                log.exception("unexpected error serving a response", exc_info=e)
                 yield {"error": {"code": "INTERNAL", "message": f"internal error ({type(e).__name__})"}}
         finally:
             if sid is not None:

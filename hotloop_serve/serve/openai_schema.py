@@ -1,8 +1,8 @@
 """OpenAI's chat-completions request and response shapes, and their mapping onto the engine.
 
 Only what hotloop-serve honours is modelled; other fields a client sends are ignored, except
-those whose silent dropping would change the reply (``n`` > 1, tools, non-zero presence or
-frequency penalties), which are refused with a 400 naming them. Nothing here does I/O:
+those whose silent dropping would change the reply (``n`` > 1, non-zero presence or frequency
+penalties), which are refused with a 400 naming them. Tools: ``openai_tools.py``. Nothing here does I/O:
 ``openai_http.py`` is the HTTP layer.
 
 Mapping (OpenAI -> ``SamplingSettings``): ``max_completion_tokens`` / ``max_tokens`` ->
@@ -27,6 +27,7 @@ from hotloop_serve import bounded_json
 from hotloop_serve.engine.chat_template import ChatMessage
 from hotloop_serve.engine.settings import SamplingSettings
 from hotloop_serve.engine.stream import Chunk, TokenLogprob
+from hotloop_serve.engine.tools import ToolCall, ToolChoice, ToolSpec
 from hotloop_serve.errors import HotloopError, InvalidArgument
 
 SESSION_HEADER = "x-session-id"
@@ -48,9 +49,22 @@ class TextPart(_Model):
     text: str
 
 
+class FunctionCallIn(_Model):
+    name: str
+    arguments: str
+
+
+class ToolCallIn(_Model):
+    id: str = Field(min_length=1, max_length=256)
+    type: Literal["function"] = "function"
+    function: FunctionCallIn
+
+
 class ChatMessageIn(_Model):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
+    tool_calls: list[ToolCallIn] | None = None
+    tool_call_id: str | None = None
 
     def text(self) -> str:
         if self.content is None:
@@ -69,6 +83,27 @@ class JsonSchemaFormat(_Model):
 class ResponseFormat(_Model):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
+
+
+class FunctionDef(_Model):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolDef(_Model):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class FunctionName(_Model):
+    name: str
+
+
+class NamedToolChoice(_Model):
+    type: Literal["function"]
+    function: FunctionName
 
 
 class StreamOptions(_Model):
@@ -92,7 +127,9 @@ class ChatCompletionRequest(_Model):
     response_format: ResponseFormat | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
-    tools: list[Any] | None = None
+    tools: list[ToolDef] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
     # llama.cpp server-style extensions
     top_k: int | None = None
     min_p: float | None = None
@@ -115,19 +152,44 @@ def parse_request(body: bytes) -> ChatCompletionRequest:
 
 
 def messages_of(req: ChatCompletionRequest, max_messages: int) -> list[ChatMessage]:
+    """The history as the engine sees it; a ``tool`` message must answer a call made before it."""
     if len(req.messages) > max_messages:
         raise InvalidArgument(
             f"messages has {len(req.messages)} entries; this server accepts at most {max_messages}", field="messages"
         )
-    return [ChatMessage("system" if m.role == "developer" else m.role, m.text()) for m in req.messages]
+    out: list[ChatMessage] = []
+    calls: dict[str, str] = {}  # id -> function name, of the calls made so far
+    for i, m in enumerate(req.messages):
+        if m.role == "tool":
+            if not m.tool_call_id:
+                raise InvalidArgument(
+                    f"messages.{i}.tool_call_id: a tool message needs the id of the call it answers",
+                    field=f"messages.{i}.tool_call_id",
+                )
+            if m.tool_call_id not in calls:
+                raise InvalidArgument(
+                    f"messages.{i}.tool_call_id: {m.tool_call_id!r} matches no tool call of an earlier message",
+                    field=f"messages.{i}.tool_call_id",
+                )
+            out.append(ChatMessage("tool", m.text(), tool_call_id=m.tool_call_id, name=calls[m.tool_call_id]))
+            continue
+        tool_calls: tuple[ToolCall, ...] = ()
+        if m.tool_calls:
+            if m.role != "assistant":
+                raise InvalidArgument(
+                    f"messages.{i}.tool_calls: only assistant messages carry tool calls",
+                    field=f"messages.{i}.tool_calls",
+                )
+            tool_calls = tuple(ToolCall(c.id, c.function.name, c.function.arguments) for c in m.tool_calls)
+            calls.update((c.id, c.name) for c in tool_calls)
+        out.append(ChatMessage("system" if m.role == "developer" else m.role, m.text(), tool_calls=tool_calls))
+    return out
 
 
 def settings_of(req: ChatCompletionRequest, defaults: SamplingSettings) -> SamplingSettings:
     """The request's sampling settings layered over the model's defaults; refuses what it cannot honour."""
     if req.n not in (None, 1):
         raise InvalidArgument("n: only n=1 is supported", field="n")
-    if req.tools:
-        raise InvalidArgument("tools: tool calling is not supported by this server", field="tools")
     for name in ("presence_penalty", "frequency_penalty"):
         if getattr(req, name):
             raise InvalidArgument(f"{name}: not supported; use repeat_penalty (and repeat_last_n)", field=name)
@@ -210,6 +272,10 @@ class ChatCall:
     messages: list[ChatMessage]
     settings: SamplingSettings
     traceparent: str | None = None
+    tools: tuple[ToolSpec, ...] = ()
+    """Rendered into the prompt by the model's template (whatever ``tool_choice`` says)."""
+    tool_choice: ToolChoice | None = None
+    """When the reply may hold calls (the settings' grammar constrains them): parse them."""
 
 
 # ------------------------------------------------------------------------------- response

@@ -29,6 +29,7 @@ from hotloop_serve.engine.stream import RequestStream
 from hotloop_serve.errors import InvalidArgument, NotFound, ResourceExhausted
 from hotloop_serve.serve import convert
 from hotloop_serve.serve.auth import ANONYMOUS, Authenticator
+from hotloop_serve.serve.openai_tools import ReplyCalls, constrain
 from hotloop_serve.serve.quotas import AnonymousSessions, PendingImports, caller_key
 from hotloop_serve.serve.session_ids import SessionIds, new_routing_key, routing_key
 from hotloop_serve.serve.status import set_status
@@ -520,9 +521,19 @@ class ModelServicer:
                 span.set_attribute("hotloop.session_id", sid)
                 messages = convert.messages_from_proto(request.messages, self.model.limits.max_messages)
                 settings = await self._turn_settings(request.settings, sid, principal)
+                tools, choice, parallel = convert.tools_from_proto(request)
+                calls = None
+                if tools:
+                    fmt = self.engine.template.tool_format
+                    # The tools' schemas are converted and bounded here: milliseconds, off the event loop.
+                    base = settings or self.engine.settings_of(sid, self._tenant(principal, sid))
+                    constrained = functools.partial(constrain, base, fmt, tools, choice, parallel, "tools[{}]")
+                    settings = await asyncio.to_thread(constrained)
+                    calls = ReplyCalls(fmt, tools, choice) if choice.calls and fmt else None
                 t0 = time.perf_counter()
                 owner = self._tenant(principal, sid)
-                stream = await _submit(functools.partial(self.engine.generate, sid, owner, messages, settings))
+                submit = functools.partial(self.engine.generate, sid, owner, messages, settings, tools)
+                stream = await _submit(submit)
                 first = True
                 async for chunk in stream.chunks(self.config.server.stream_coalesce_ms / 1e3):
                     if first:
@@ -530,7 +541,14 @@ class ModelServicer:
                         first = False
                     if chunk.final:
                         self.telemetry.record_usage(span, chunk, "Generate")
-                    yield convert.chunk_to_proto(chunk, self.served_by)
+                    out = convert.chunk_to_proto(chunk, self.served_by)
+                    if calls is not None:  # the reply's text and its calls, apart
+                        item = calls.item(chunk.text, chunk.final)
+                        out.text = item["text"]
+                        out.tool_calls.extend(convert.tool_calls_to_proto(item.get("tool_calls", ())))
+                        if chunk.final and calls.finish_reason(chunk.finish_reason or "", "") == "tool_calls":
+                            out.finish_reason = convert.FINISH_TOOL_CALLS
+                    yield out
         except (GeneratorExit, asyncio.CancelledError):
             if stream is not None:
                 stream.cancel()

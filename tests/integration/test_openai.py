@@ -15,11 +15,12 @@ import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 import jsonschema
 import openai
 import pytest
-from hotloop_client import Client, InvalidArgument, Message, Role, Settings
+from hotloop_client import Client, FinishReason, InvalidArgument, Message, Role, Settings, Tool, assistant_message
 
 from hotloop_serve.config import Config, config_from_dict
 
@@ -333,3 +334,284 @@ def test_structured_output_and_logprobs_over_grpc(http: Http) -> None:
             list(session.generate([Message(Role.USER, "x")], json_schema='{"type": "nonsense"}'))
         with pytest.raises(InvalidArgument, match="grammar is not valid GBNF"):
             client.model(MODEL).new_session(settings=Settings(grammar='root ::= "a'))
+
+
+# ------------------------------------------------------------------------------- tools
+
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The current weather in a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 40}, "unit": {"enum": ["C", "F"]}},
+            "required": ["city", "unit"],
+        },
+    },
+}
+TIME_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "description": "The local time in a timezone.",
+        "parameters": {
+            "type": "object",
+            "properties": {"timezone": {"enum": ["Europe/Paris", "Europe/Oslo", "UTC"]}},
+            "required": ["timezone"],
+        },
+    },
+}
+TOOLS = [WEATHER_TOOL, TIME_TOOL]
+
+
+def _force(name: str) -> dict[str, Any]:
+    return {"type": "function", "function": {"name": name}}
+
+
+def _valid_call(call: Any, tools: list[dict[str, Any]] = TOOLS) -> dict[str, Any]:
+    schema = next(t["function"]["parameters"] for t in tools if t["function"]["name"] == call.function.name)
+    arguments = json.loads(call.function.arguments)
+    jsonschema.validate(arguments, schema)
+    return arguments  # type: ignore[no-any-return]
+
+
+def test_a_tool_loop_with_forced_calls_parses_validates_and_stays_hot(alice: openai.OpenAI) -> None:
+    """Two tool rounds then an answer, the way an agent loop sends them: every call parses and
+    matches its schema, and each follow-up reuses the cache of the previous turn."""
+    messages: list[dict[str, Any]] = [
+        {"role": "system", "content": "You are a travel assistant. Use the tools."},
+        {"role": "user", "content": "What is the weather in Paris, and what time is it there?"},
+    ]
+    seen: list[tuple[int, int]] = []
+    for name, result in [("get_weather", "Sunny, 21 C."), ("get_time", "14:05")]:
+        reply = alice.chat.completions.create(
+            model=MODEL,
+            messages=messages,
+            tools=TOOLS,
+            tool_choice=_force(name),
+            parallel_tool_calls=False,  # the base model, once forced, would repeat the call up to 8 times
+            max_tokens=64,
+            temperature=0,  # type: ignore[arg-type]
+        )
+        choice = reply.choices[0]
+        assert choice.finish_reason == "tool_calls", choice
+        calls = choice.message.tool_calls or []
+        assert len(calls) >= 1 and {c.function.name for c in calls} == {name}  # type: ignore[union-attr]
+        for c in calls:
+            _valid_call(c)
+            assert c.id.startswith("call_") and c.type == "function"
+        assert reply.usage is not None and reply.usage.prompt_tokens_details is not None
+        seen.append((reply.usage.prompt_tokens, reply.usage.prompt_tokens_details.cached_tokens or 0))
+        messages.append(choice.message.model_dump(exclude_none=True))
+        messages += [{"role": "tool", "tool_call_id": c.id, "content": result} for c in calls]
+    final = alice.chat.completions.create(
+        model=MODEL,
+        messages=messages,
+        tools=TOOLS,
+        tool_choice="none",
+        max_tokens=16,
+        temperature=0,  # type: ignore[arg-type]
+    )
+    assert final.choices[0].finish_reason in ("stop", "length") and not final.choices[0].message.tool_calls
+    assert final.usage is not None and final.usage.prompt_tokens_details is not None
+    seen.append((final.usage.prompt_tokens, final.usage.prompt_tokens_details.cached_tokens or 0))
+    for (prior, _), (_, cached) in itertools.pairwise(seen):
+        assert cached >= 0.9 * prior, seen
+
+
+def test_streamed_tool_calls_arrive_as_openai_sends_them(alice: openai.OpenAI) -> None:
+    ask = [{"role": "user", "content": "What time is it in Oslo?"}]
+    kwargs: dict[str, Any] = {"model": MODEL, "messages": ask, "tools": TOOLS, "tool_choice": "required"}
+    kwargs["parallel_tool_calls"] = False
+    whole = alice.chat.completions.create(**kwargs, max_tokens=96, temperature=0)
+    chunks = list(alice.chat.completions.create(**kwargs, max_tokens=96, temperature=0, stream=True))
+    deltas = [d for c in chunks if c.choices for d in (c.choices[0].delta.tool_calls or [])]
+    assert deltas and deltas[0].id is not None and deltas[0].function is not None and deltas[0].function.name
+    assert all(d.id is None for d in deltas if d.function is not None and not d.function.name)
+    calls: dict[int, dict[str, str]] = {}
+    for d in deltas:
+        entry = calls.setdefault(d.index, {"name": "", "arguments": ""})
+        entry["name"] += (d.function.name or "") if d.function else ""
+        entry["arguments"] += (d.function.arguments or "") if d.function else ""
+    expected = whole.choices[0].message.tool_calls or []
+    assert [(c["name"], c["arguments"]) for c in calls.values()] == [
+        (c.function.name, c.function.arguments)
+        for c in expected  # type: ignore[union-attr]
+    ]
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == ""
+
+
+def test_auto_lets_the_model_answer_in_text_or_call_and_parallel_off_means_one_call(alice: openai.OpenAI) -> None:
+    ask = [{"role": "user", "content": "Hello! How are you today?"}]
+    for seed in range(3):
+        reply = alice.chat.completions.create(
+            model=MODEL,
+            messages=ask,
+            tools=TOOLS,
+            max_tokens=48,
+            temperature=1.0,
+            seed=seed,  # type: ignore[arg-type]
+        )
+        message = reply.choices[0].message
+        assert "```tool_call" not in (message.content or "")  # the syntax never leaks into text
+        if reply.choices[0].finish_reason == "tool_calls":  # (a call cut by max_tokens ends with "length")
+            for call in message.tool_calls or []:
+                _valid_call(call)
+    one = alice.chat.completions.create(
+        model=MODEL,
+        messages=ask,  # type: ignore[arg-type]
+        tools=TOOLS,  # type: ignore[arg-type]
+        tool_choice="required",
+        parallel_tool_calls=False,
+        max_tokens=96,
+        temperature=1.0,
+        seed=1,
+    )
+    assert len(one.choices[0].message.tool_calls or []) == 1 and one.choices[0].finish_reason == "tool_calls"
+
+
+def test_bad_tool_requests_are_400s_naming_the_field(alice: openai.OpenAI) -> None:
+    ask = [{"role": "user", "content": "Hi"}]
+    nonsense = {
+        "type": "function",
+        "function": {"name": "f", "parameters": {"type": "object", "properties": {"x": {"type": "nonsense"}}}},
+    }
+    orphan = [*ask, {"role": "tool", "tool_call_id": "call_nobody", "content": "x"}]
+    for kwargs, param in [
+        ({"tools": TOOLS, "tool_choice": _force("launch_rockets")}, "tool_choice"),
+        ({"tools": [nonsense]}, "tools.0.function.parameters"),
+        ({"messages": orphan}, "messages.1.tool_call_id"),
+        ({"tools": TOOLS, "extra_body": {"grammar": 'root ::= "x"'}}, "grammar"),
+    ]:
+        with pytest.raises(openai.BadRequestError) as bad:
+            alice.chat.completions.create(**{"model": MODEL, "messages": ask, **kwargs})
+        assert bad.value.param == param, bad.value.message
+
+
+# ------------------------------------------------------------------------------- responses
+
+
+def test_responses_with_previous_response_id_run_a_tool_loop_on_a_hot_session(http: Http, alice: openai.OpenAI) -> None:
+    tools = [{"type": "function", **t["function"]} for t in TOOLS]
+    first = alice.responses.create(
+        model=MODEL,
+        instructions="You are a travel assistant. Use the tools.",
+        input="What is the weather in Paris?",
+        tools=tools,  # type: ignore[arg-type]
+        tool_choice={"type": "function", "name": "get_weather"},
+        parallel_tool_calls=False,
+        max_output_tokens=64,
+        temperature=0,
+    )
+    assert first.status == "completed" and first.id.startswith("resp_")
+    calls = [o for o in first.output if o.type == "function_call"]
+    assert calls and all(c.name == "get_weather" for c in calls)
+    for c in calls:
+        jsonschema.validate(json.loads(c.arguments), TOOLS[0]["function"]["parameters"])  # type: ignore[index]
+    second = alice.responses.create(
+        model=MODEL,
+        instructions="You are a travel assistant. Use the tools.",
+        previous_response_id=first.id,
+        input=[{"type": "function_call_output", "call_id": c.call_id, "output": "Sunny, 21 C."} for c in calls],
+        tools=tools,  # type: ignore[arg-type]
+        tool_choice="none",
+        max_output_tokens=16,
+        temperature=0,
+    )
+    assert second.status in ("completed", "incomplete") and second.previous_response_id == first.id
+    assert second.output[0].type == "message"
+    assert first.usage is not None and second.usage is not None
+    assert second.usage.input_tokens_details.cached_tokens >= 0.9 * first.usage.input_tokens  # no history resent
+    # instructions and tools are not carried over (as OpenAI's): an agent resends them every turn
+    same = {"instructions": "You are a travel assistant. Use the tools.", "tools": tools, "tool_choice": "none"}
+    third = alice.responses.create(
+        model=MODEL,
+        previous_response_id=second.id,
+        input="Thanks! And Oslo?",
+        max_output_tokens=8,
+        temperature=0,
+        **same,
+    )
+    assert third.usage is not None and third.usage.input_tokens_details.cached_tokens >= 0.9 * second.usage.input_tokens
+    # continuing an older response forks: both branches are hot, the old one from its own history
+    branch = alice.responses.create(
+        model=MODEL, previous_response_id=second.id, input="And Rome?", max_output_tokens=8, temperature=0, **same
+    )
+    assert branch.usage is not None
+    assert branch.usage.input_tokens_details.cached_tokens >= 0.9 * second.usage.input_tokens
+    assert branch.usage.input_tokens < third.usage.input_tokens + 4  # not third's history
+    got = alice.responses.retrieve(second.id)
+    assert got.id == second.id and got.output[0].type == "message"
+    items = alice.responses.input_items.list(second.id, order="asc")
+    assert [i.type for i in items.data] == ["function_call_output"] * len(calls)
+    with openai.OpenAI(base_url=http.base_url, api_key=BOB, max_retries=0) as bob:
+        with pytest.raises(openai.NotFoundError):
+            bob.responses.retrieve(second.id)
+        with pytest.raises(openai.NotFoundError) as other:
+            bob.responses.create(model=MODEL, previous_response_id=second.id, input="hi", max_output_tokens=4)
+        assert "not found" in other.value.message
+    alice.responses.delete(third.id)
+    with pytest.raises(openai.NotFoundError):
+        alice.responses.retrieve(third.id)
+    with pytest.raises(openai.NotFoundError):
+        alice.responses.retrieve("resp_" + "x" * 46)
+
+
+def test_streamed_responses_send_the_typed_events_and_store_false_keeps_nothing(alice: openai.OpenAI) -> None:
+    tools = [{"type": "function", **t["function"]} for t in TOOLS]
+    events = list(
+        alice.responses.create(
+            model=MODEL,
+            input="What time is it in Oslo?",
+            tools=tools,  # type: ignore[arg-type]
+            tool_choice="required",
+            parallel_tool_calls=False,
+            max_output_tokens=64,
+            temperature=0,
+            stream=True,
+            store=False,
+        )
+    )
+    kinds = [e.type for e in events]
+    assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-1] == "response.completed"
+    assert "response.function_call_arguments.delta" in kinds and "response.output_item.done" in kinds
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    done = events[-1].response  # type: ignore[union-attr]
+    call = next(o for o in done.output if o.type == "function_call")
+    args = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")  # type: ignore[union-attr]
+    assert call.arguments == args and json.loads(args)
+    with pytest.raises(openai.NotFoundError):
+        alice.responses.retrieve(done.id)
+    text = alice.responses.create(
+        model=MODEL,
+        input="Describe a person named Ann, aged 31, as JSON.",
+        text={"format": {"type": "json_schema", "name": "person", "schema": PERSON}},
+        max_output_tokens=64,
+        temperature=0.7,
+        store=False,
+    )
+    jsonschema.validate(json.loads(text.output_text), PERSON)
+
+
+def test_a_tool_loop_over_grpc_with_the_python_sdk(http: Http) -> None:
+    """The same concepts over gRPC: tools per turn, calls as chunk deltas, results as tool messages."""
+    tools = [Tool(t["function"]["name"], t["function"]["description"], t["function"]["parameters"]) for t in TOOLS]
+    history = [Message(Role.USER, "What is the weather in Paris?")]
+    with Client(http.grpc, token=ALICE) as client:
+        session = client.model(MODEL).new_session(settings=Settings(temperature=0, sample_len=64))
+        chunks = list(session.generate(history, tools=tools, tool_choice="get_weather", parallel_tool_calls=False))
+        reply = assistant_message(chunks)
+        assert chunks[-1].finish_reason is FinishReason.TOOL_CALLS and reply.content == ""
+        (call,) = reply.tool_calls
+        assert call.name == "get_weather" and call.id
+        jsonschema.validate(json.loads(call.arguments), TOOLS[0]["function"]["parameters"])
+        history += [reply, Message(Role.TOOL, "Sunny, 21 C.", tool_call_id=call.id)]
+        final = list(session.generate(history, tools=tools, tool_choice="none", sample_len=8))
+        assert final[-1].usage is not None and final[-1].usage.cached_tokens >= chunks[-1].usage.prompt_tokens  # type: ignore[union-attr]
+        assert not any(c.tool_calls for c in final)
+        with pytest.raises(InvalidArgument, match="no tool named"):
+            list(session.generate(history, tools=tools, tool_choice="launch_rockets"))
+        with pytest.raises(InvalidArgument, match="matches no tool call"):
+            list(session.generate([Message(Role.TOOL, "x", tool_call_id="nobody")]))

@@ -65,7 +65,7 @@ def test_history_accepts_messages_and_pairs() -> None:
     assert [m.role for m in history] == [Role.SYSTEM, Role.USER, Role.ASSISTANT, Role.USER]
     assert Message("user", "hi").role is Role.USER  # type: ignore[arg-type]
     with pytest.raises(ValueError):
-        as_messages([("tool", "x")])
+        as_messages([("robot", "x")])
 
 
 def test_session_state_builds_requests_with_its_settings() -> None:

@@ -56,6 +56,13 @@ class EchoServer(session_pb2_grpc.SessionServiceServicer, model_pb2_grpc.ModelSe
         # Runs when the RPC ends; only an end before the reply finished is a cancellation.
         context.add_callback(lambda: None if finished.is_set() else self.cancelled.set())
         text = request.messages[-1].content
+        if request.tools and request.messages[-1].role != common_pb2.ROLE_TOOL:  # call the first tool
+            delta = common_pb2.ToolCallDelta
+            yield session_pb2.GenerateChunk(tool_calls=[delta(index=0, id="call_7", name=request.tools[0].name)])
+            yield session_pb2.GenerateChunk(tool_calls=[delta(index=0, arguments='{"x": 1}')])
+            yield session_pb2.GenerateChunk(finish_reason=common_pb2.FINISH_REASON_TOOL_CALLS)
+            finished.set()
+            return
         yield session_pb2.GenerateChunk(text="echo: ")
         yield session_pb2.GenerateChunk(text=text)
         if "BOOM" in text:  # a long reply: only ends when the client cancels it
@@ -450,3 +457,21 @@ def test_read_export_of_other_bytes_is_a_bare_blob() -> None:
         chat_cli.read_export(chat_cli.EXPORT_MAGIC + b'{"system": null, "history": [["robot", "x"]]}\n')
     with pytest.raises(ValueError, match="not a readable"):
         chat_cli.read_export(chat_cli.EXPORT_MAGIC + b"no newline")
+
+
+def test_tool_calls_are_shown_and_answered_with_result(echo: tuple[str, EchoServer], tmp_path: Path) -> None:
+    address, server = echo
+    path = tmp_path / "tools.json"
+    path.write_text('[{"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}]')
+    tools = chat_cli.load_tools(path.read_text())
+    code, out = run(address, "find x", "/result", "/result 42", "/result again", "/history", "/tools", tools=tools)
+    assert code == 0
+    assert '→ lookup({"x": 1})  [call_7]' in out and "answer each call with /result <text>" in out
+    assert "echo-1> echo: 42" in out  # with every call answered, the model's turn goes on
+    assert "no tool call is waiting for a result" in out and "lookup: " in out
+    first, second = server.of("Generate")
+    assert [t.name for t in first.tools] == ["lookup"]
+    assert [m.role for m in second.messages] == [common_pb2.ROLE_USER, common_pb2.ROLE_ASSISTANT, common_pb2.ROLE_TOOL]
+    assert second.messages[1].tool_calls[0].arguments == '{"x": 1}' and second.messages[2].tool_call_id == "call_7"
+    with pytest.raises(ValueError, match="not a tools file"):
+        chat_cli.load_tools('{"name": "x"}')

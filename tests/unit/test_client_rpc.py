@@ -9,6 +9,7 @@ and metadata) is recorded and asserted, which pins the wire contract the server 
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 import threading
 from collections.abc import Iterator
@@ -36,9 +37,12 @@ from hotloop_client import (
     ResourceExhausted,
     Role,
     Settings,
+    Tool,
+    ToolCall,
     TurnInterrupted,
     Unauthenticated,
     Unavailable,
+    assistant_message,
 )
 from hotloop_client._base import DEFAULT_UNARY_TIMEOUT_S, MAX_ATTEMPTS, MAX_RETRY_DELAY_S, BaseClient, backoff
 
@@ -135,6 +139,8 @@ class FakeSessions(session_pb2_grpc.SessionServiceServicer):  # type: ignore[mis
                 yield session_pb2.GenerateChunk(text=arg)
             elif kind == "last":
                 yield _last_chunk()
+            elif kind == "chunk":
+                yield arg
             elif kind == "abort":
                 finished.set()
                 context.abort(*arg)
@@ -555,3 +561,31 @@ def test_async_aclose_and_task_cancel_cancel_the_call(fake: tuple[str, Recorder]
                 await session.context()
 
     asyncio.run(main())
+
+
+def test_tools_go_with_the_turn_and_calls_come_back_as_deltas(client: Client, fake: tuple[str, Recorder]) -> None:
+    rec = fake[1]
+    delta = common_pb2.ToolCallDelta
+    rec.scripts.append(
+        [
+            ("chunk", session_pb2.GenerateChunk(tool_calls=[delta(index=0, id="call_1", name="f", arguments='{"a"')])),
+            ("chunk", session_pb2.GenerateChunk(tool_calls=[delta(index=0, arguments=": 1}")])),
+            ("chunk", session_pb2.GenerateChunk(finish_reason=common_pb2.FINISH_REASON_TOOL_CALLS)),
+        ]
+    )
+    session = client.model(MODEL).new_session()
+    tool = Tool("f", "a function", {"type": "object", "properties": {"a": {"type": "integer"}}})
+    chunks = list(session.generate(HISTORY, tools=[tool], tool_choice="f", parallel_tool_calls=False))
+    assert chunks[-1].finish_reason is FinishReason.TOOL_CALLS
+    reply = assistant_message(chunks)
+    assert reply == Message(Role.ASSISTANT, "", (ToolCall("call_1", "f", '{"a": 1}'),))
+    history = [*HISTORY, reply, Message(Role.TOOL, "2", tool_call_id="call_1")]
+    list(session.generate(history))
+    first, second = rec.of("Generate")
+    assert [t.name for t in first.request.tools] == ["f"] and first.request.tool_choice == "f"
+    assert json.loads(first.request.tools[0].parameters)["properties"]["a"] == {"type": "integer"}
+    assert first.request.HasField("parallel_tool_calls") and not first.request.parallel_tool_calls
+    assert not second.request.tools and not second.request.HasField("parallel_tool_calls")
+    sent = second.request.messages
+    assert sent[-2].tool_calls[0].arguments == '{"a": 1}' and sent[-1].role == common_pb2.ROLE_TOOL
+    assert sent[-1].tool_call_id == "call_1"

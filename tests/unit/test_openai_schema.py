@@ -50,7 +50,7 @@ def test_messages_developer_is_system_and_text_parts_join() -> None:
     ("fields", "says"),
     [
         ({"n": 2}, "n: only n=1"),
-        ({"tools": [{"type": "function"}]}, "tools"),
+        ({"tools": [{"type": "function"}]}, "tools.0.function"),
         ({"presence_penalty": 0.5}, "repeat_penalty"),
         ({"top_logprobs": 2}, "requires logprobs"),
         ({"response_format": {"type": "json_schema"}}, "json_schema.schema is required"),
@@ -59,7 +59,7 @@ def test_messages_developer_is_system_and_text_parts_join() -> None:
         ({"max_tokens": 0}, "max_completion_tokens must be >= 1"),
         ({"temperature": 3}, "temperature"),
         ({"messages": []}, "messages"),
-        ({"messages": [{"role": "tool", "content": "x"}]}, "messages.0.role"),
+        ({"messages": [{"role": "robot", "content": "x"}]}, "messages.0.role"),
     ],
 )
 def test_what_cannot_be_honoured_is_a_400_naming_it(fields: dict[str, object], says: str) -> None:

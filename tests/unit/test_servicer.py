@@ -85,7 +85,7 @@ class FakeEngine:
     def close_session(self, sid: str, principal: str) -> None:
         pass
 
-    def generate(self, sid: str, principal: str, messages: Any, settings: Any) -> FakeStream:
+    def generate(self, sid: str, principal: str, messages: Any, settings: Any, tools: Any = ()) -> FakeStream:
         """A submission that takes a while (the scheduler's inbox is busy, say)."""
         self.entered.set()
         self.release.wait(5)

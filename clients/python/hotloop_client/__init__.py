@@ -12,7 +12,7 @@ Everything public is re-exported here; the ``_private`` modules may change at an
 """
 
 from ._async_client import AsyncClient, AsyncModel, AsyncSession
-from ._base import with_message_replaced, without_last_reply
+from ._base import assistant_message, with_message_replaced, without_last_reply
 from ._client import Client, Model, Session
 from ._errors import (
     Cancelled,
@@ -40,6 +40,9 @@ from ._types import (
     Settings,
     Timings,
     TokenLogprob,
+    Tool,
+    ToolCall,
+    ToolCallDelta,
     Usage,
 )
 
@@ -72,10 +75,14 @@ __all__ = [
     "Settings",
     "Timings",
     "TokenLogprob",
+    "Tool",
+    "ToolCall",
+    "ToolCallDelta",
     "TurnInterrupted",
     "Unauthenticated",
     "Unavailable",
     "Usage",
+    "assistant_message",
     "with_message_replaced",
     "without_last_reply",
 ]

@@ -13,6 +13,7 @@ they call the stubs; the wire contract lives here once so the twins cannot drift
 
 from __future__ import annotations
 
+import json
 import random
 import re
 import secrets
@@ -38,6 +39,9 @@ from ._types import (
     Settings,
     Timings,
     TokenLogprob,
+    Tool,
+    ToolCall,
+    ToolCallDelta,
     Usage,
 )
 
@@ -232,12 +236,14 @@ _ROLE_TO_PROTO = {
     Role.SYSTEM: common_pb2.ROLE_SYSTEM,
     Role.USER: common_pb2.ROLE_USER,
     Role.ASSISTANT: common_pb2.ROLE_ASSISTANT,
+    Role.TOOL: common_pb2.ROLE_TOOL,
 }
 _FINISH_FROM_PROTO = {
     common_pb2.FINISH_REASON_EOS: FinishReason.EOS,
     common_pb2.FINISH_REASON_LENGTH: FinishReason.LENGTH,
     common_pb2.FINISH_REASON_STOP: FinishReason.STOP,
     common_pb2.FINISH_REASON_CONTEXT: FinishReason.CONTEXT,
+    common_pb2.FINISH_REASON_TOOL_CALLS: FinishReason.TOOL_CALLS,
 }
 # Derived from the message descriptor, so a field added to ``hotloop.v1.Settings`` needs no
 # list edited here: the ``optional`` scalars (presence = set), and the float32 ones.
@@ -310,7 +316,37 @@ def import_requests(
 
 def messages_to_proto(history: Iterable[MessageLike]) -> list[common_pb2.Message]:
     """``Message``s (or pairs) as ``hotloop.v1.Message`` protos."""
-    return [common_pb2.Message(role=_ROLE_TO_PROTO[m.role], content=m.content) for m in as_messages(history)]
+    return [
+        common_pb2.Message(
+            role=_ROLE_TO_PROTO[m.role],
+            content=m.content,
+            tool_calls=[common_pb2.ToolCall(id=c.id, name=c.name, arguments=c.arguments) for c in m.tool_calls],
+            tool_call_id=m.tool_call_id,
+        )
+        for m in as_messages(history)
+    ]
+
+
+def tools_to_proto(tools: Iterable[Tool]) -> list[common_pb2.Tool]:
+    """``Tool``s as ``hotloop.v1.Tool`` protos (a dict schema as JSON text)."""
+    out = []
+    for t in tools:
+        params = t.parameters if isinstance(t.parameters, str) or t.parameters is None else json.dumps(t.parameters)
+        out.append(common_pb2.Tool(name=t.name, description=t.description, parameters=params or ""))
+    return out
+
+
+def assistant_message(chunks: Iterable[Chunk]) -> Message:
+    """The assistant message a streamed reply makes (its text and its calls joined), to append
+    to the history before the calls' results."""
+    text: list[str] = []
+    calls: dict[int, list[str]] = {}
+    for chunk in chunks:
+        text.append(chunk.text)
+        for d in chunk.tool_calls:
+            entry = calls.setdefault(d.index, [d.id, d.name, ""])
+            entry[2] += d.arguments
+    return Message(Role.ASSISTANT, "".join(text), tuple(ToolCall(*calls[i]) for i in sorted(calls)))
 
 
 def settings_to_proto(settings: Settings) -> common_pb2.Settings:
@@ -375,6 +411,7 @@ def chunk_from_proto(pb: session_pb2.GenerateChunk) -> Chunk:
             TokenLogprob(lp.token, lp.piece, lp.logprob, tuple((t.token, t.piece, t.logprob) for t in lp.top))
             for lp in pb.logprobs
         ),
+        tool_calls=tuple(ToolCallDelta(d.index, d.id, d.name, d.arguments) for d in pb.tool_calls),
     )
 
 
@@ -508,13 +545,27 @@ class SessionState:
         """The session's settings with per-turn keyword overrides (unknown names: TypeError)."""
         return self.settings.merged(Settings(**overrides)) if overrides else self.settings
 
-    def generate_request(self, history: HistoryLike, overrides: dict[str, Any]) -> session_pb2.GenerateRequest:
+    def generate_request(
+        self,
+        history: HistoryLike,
+        overrides: dict[str, Any],
+        tools: Sequence[Tool] = (),
+        tool_choice: str = "",
+        parallel_tool_calls: bool | None = None,
+    ) -> session_pb2.GenerateRequest:
         messages = messages_to_proto(history)
         if not messages:
             raise ValueError("history is empty: send at least one message")
-        return session_pb2.GenerateRequest(
-            session_id=self.id, messages=messages, settings=settings_to_proto(self.turn_settings(overrides))
+        request = session_pb2.GenerateRequest(
+            session_id=self.id,
+            messages=messages,
+            settings=settings_to_proto(self.turn_settings(overrides)),
+            tools=tools_to_proto(tools),
+            tool_choice=tool_choice,
         )
+        if parallel_tool_calls is not None:
+            request.parallel_tool_calls = parallel_tool_calls
+        return request
 
     def warmup_request(self, history: HistoryLike) -> session_pb2.WarmupRequest:
         return session_pb2.WarmupRequest(

@@ -23,7 +23,7 @@ from hotloop.v1 import model_pb2_grpc, serve_proxy_pb2, session_pb2, session_pb2
 from . import _base
 from ._base import HistoryLike
 from ._errors import HotloopError, NotFound, from_rpc_error
-from ._types import Chunk, ModelInfo, SessionInfo, Settings, Usage
+from ._types import Chunk, ModelInfo, SessionInfo, Settings, Tool, Usage
 
 
 class _Stubs:
@@ -243,17 +243,28 @@ class Session:
         return self._client._unary(method, request, self._state.model, timeout, self._state.key)
 
     def generate(
-        self, history: HistoryLike, *, timeout: float | None = None, **overrides: Any
+        self,
+        history: HistoryLike,
+        *,
+        timeout: float | None = None,
+        tools: Sequence[Tool] = (),
+        tool_choice: str = "",
+        parallel_tool_calls: bool | None = None,
+        **overrides: Any,
     ) -> Generator[Chunk, None]:
         """Stream the reply to ``history`` (``Message``s or ``(role, content)`` pairs).
 
+        ``tools`` offers functions to call: ``tool_choice`` is ``"auto"`` (the default with
+        tools), ``"none"``, ``"required"`` or a tool's name; the reply's calls arrive as
+        ``Chunk.tool_calls`` (``assistant_message`` joins a reply into the message to append,
+        then one ``Role.TOOL`` message per result).
         Keyword ``overrides`` (e.g. ``temperature=0``) apply to this turn only. If the
         replica fails before any text arrived the request is re-sent (with backoff); after text
         arrived, :class:`TurnInterrupted` carries the partial text. Leaving the loop early
         (``break``, closing the generator, Ctrl-C, cancelling the task iterating it) cancels
         the call on the server.
         """
-        request = self._state.generate_request(history, overrides)
+        request = self._state.generate_request(history, overrides, tools, tool_choice, parallel_tool_calls)
         return self._stream(request, timeout)
 
     def _stream(self, request: Any, timeout: float | None) -> Generator[Chunk, None]:

@@ -18,6 +18,7 @@ class Role(enum.Enum):
     SYSTEM = "system"
     USER = "user"
     ASSISTANT = "assistant"
+    TOOL = "tool"  # a tool's result; ``Message.tool_call_id`` names the call it answers
 
 
 class FinishReason(enum.Enum):
@@ -27,6 +28,37 @@ class FinishReason(enum.Enum):
     LENGTH = "length"  # sample_len reached
     STOP = "stop"  # a stop sequence matched; it is not part of the text
     CONTEXT = "context"  # the session's context window is full
+    TOOL_CALLS = "tool_calls"  # the reply ended with complete tool calls
+
+
+@dataclass(frozen=True, slots=True)
+class ToolCall:
+    """A call the model made; ``arguments`` is JSON text matching the tool's parameters."""
+
+    id: str
+    name: str
+    arguments: str
+
+
+@dataclass(frozen=True, slots=True)
+class Tool:
+    """A function the model may call. ``parameters`` is the arguments' JSON Schema (type
+    object), as a dict or JSON text; the server builds a grammar from it, so calls validate."""
+
+    name: str
+    description: str = ""
+    parameters: dict[str, Any] | str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ToolCallDelta:
+    """A piece of call ``index`` of a streamed reply: ``id`` and ``name`` come with its first
+    piece only (empty on the others); the ``arguments`` pieces, joined, are the call's."""
+
+    index: int
+    id: str
+    name: str
+    arguments: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,6 +68,10 @@ class Message:
 
     role: Role
     content: str
+    tool_calls: tuple[ToolCall, ...] = ()
+    """An assistant message's calls (``content``: the text before them, often empty)."""
+    tool_call_id: str = ""
+    """A ``Role.TOOL`` message: the id of the call it is the result of."""
 
     def __post_init__(self) -> None:
         # Accept "user" as well as Role.USER: histories often come from JSON.
@@ -163,6 +199,8 @@ class Chunk:
     served_by: ServedBy | None = None
     logprobs: tuple[TokenLogprob, ...] = ()
     """With ``Settings(logprobs=True)``: the tokens generated since the previous chunk."""
+    tool_calls: tuple[ToolCallDelta, ...] = ()
+    """With ``tools``: pieces of the reply's calls (``text`` never holds call syntax)."""
 
     @property
     def is_last(self) -> bool:

@@ -29,8 +29,20 @@ import {
   type Settings,
   SETTINGS_FIELDS,
   type Timings,
+  type Tool,
+  type ToolCall,
   type Usage,
 } from "./types";
+
+/** The tool options of a turn (`session.generate()`'s `tools`, `toolChoice`, `parallelToolCalls`). */
+export interface ToolOptions {
+  /** Functions the model may call this turn. */
+  tools?: readonly Tool[];
+  /** `"auto"` (the default with tools), `"none"`, `"required"`, or a tool's name. */
+  toolChoice?: string;
+  /** Default true (up to 8 calls per reply); false: one. */
+  parallelToolCalls?: boolean;
+}
 
 // --------------------------------------------------------------------------- routing
 
@@ -200,6 +212,7 @@ const ROLE_TO_PROTO: Record<Role, pbc.Role> = {
   system: pbc.Role.ROLE_SYSTEM,
   user: pbc.Role.ROLE_USER,
   assistant: pbc.Role.ROLE_ASSISTANT,
+  tool: pbc.Role.ROLE_TOOL,
 };
 
 const FINISH_FROM_PROTO: Partial<Record<pbc.FinishReason, FinishReason>> = {
@@ -207,34 +220,87 @@ const FINISH_FROM_PROTO: Partial<Record<pbc.FinishReason, FinishReason>> = {
   [pbc.FinishReason.FINISH_REASON_LENGTH]: "length",
   [pbc.FinishReason.FINISH_REASON_STOP]: "stop",
   [pbc.FinishReason.FINISH_REASON_CONTEXT]: "context",
+  [pbc.FinishReason.FINISH_REASON_TOOL_CALLS]: "tool_calls",
 };
 
 /** Normalise one history item; a bad role throws `TypeError` before any RPC. */
 export function asMessage(item: unknown): Message {
   let role: unknown;
   let content: unknown;
+  let toolCalls: unknown;
+  let toolCallId: unknown;
   if (Array.isArray(item)) {
     [role, content] = item as unknown[];
   } else if (item !== null && typeof item === "object") {
-    ({ role, content } = item as { role?: unknown; content?: unknown });
+    ({ role, content, toolCalls, toolCallId } = item as {
+      role?: unknown;
+      content?: unknown;
+      toolCalls?: unknown;
+      toolCallId?: unknown;
+    });
   } else {
     throw new TypeError(`a history item must be {role, content} or [role, content], got ${String(item)}`);
   }
   const normalized = typeof role === "string" ? role.toLowerCase() : role;
   if (typeof normalized !== "string" || !(normalized in ROLE_TO_PROTO)) {
-    throw new TypeError(`unknown role ${JSON.stringify(role)}: use "system", "user" or "assistant"`);
+    throw new TypeError(`unknown role ${JSON.stringify(role)}: use "system", "user", "assistant" or "tool"`);
   }
   if (typeof content !== "string") {
     throw new TypeError(`message content must be a string, got ${typeof content}`);
   }
-  return { role: normalized as Role, content };
+  if (toolCalls !== undefined && !Array.isArray(toolCalls)) {
+    throw new TypeError("toolCalls must be an array of {id, name, arguments}");
+  }
+  if (toolCallId !== undefined && typeof toolCallId !== "string") {
+    throw new TypeError(`toolCallId must be a string, got ${typeof toolCallId}`);
+  }
+  return {
+    role: normalized as Role,
+    content,
+    ...(toolCalls !== undefined && { toolCalls: toolCalls as ToolCall[] }),
+    ...(toolCallId !== undefined && { toolCallId }),
+  };
+}
+
+/** Tools as `hotloop.v1.Tool` protos (an object schema as JSON text). */
+export function toolsToProto(tools: readonly Tool[]): pbc.Tool[] {
+  return tools.map((t) => ({
+    name: t.name,
+    description: t.description ?? "",
+    parameters:
+      t.parameters === undefined ? "" : typeof t.parameters === "string" ? t.parameters : JSON.stringify(t.parameters),
+  }));
+}
+
+/**
+ * The assistant message a streamed reply makes (its text and its calls joined), to append to
+ * the history before one `"tool"` message per call's result.
+ */
+export function assistantMessage(chunks: Iterable<Chunk>): Message {
+  let content = "";
+  const calls = new Map<number, { id: string; name: string; arguments: string }>();
+  for (const chunk of chunks) {
+    content += chunk.text;
+    for (const d of chunk.toolCalls) {
+      const call = calls.get(d.index) ?? { id: d.id, name: d.name, arguments: "" };
+      call.arguments += d.arguments;
+      calls.set(d.index, call);
+    }
+  }
+  const toolCalls = [...calls.entries()].sort(([a], [b]) => a - b).map(([, c]) => c);
+  return { role: "assistant", content, ...(toolCalls.length > 0 && { toolCalls }) };
 }
 
 /** Messages (or pairs) as `hotloop.v1.Message` protos. */
 export function messagesToProto(history: HistoryLike): pbc.Message[] {
   return Array.from(history, (item) => {
     const m = asMessage(item);
-    return { role: ROLE_TO_PROTO[m.role], content: m.content };
+    return {
+      role: ROLE_TO_PROTO[m.role],
+      content: m.content,
+      toolCalls: (m.toolCalls ?? []).map((c) => ({ id: c.id, name: c.name, arguments: c.arguments })),
+      toolCallId: m.toolCallId ?? "",
+    };
   });
 }
 
@@ -358,6 +424,7 @@ export function chunkFromProto(pb: pbs.GenerateChunk): Chunk {
       logprob: lp.logprob,
       top: lp.top.map((t) => ({ token: t.token, piece: new Uint8Array(t.piece), logprob: t.logprob })),
     })),
+    toolCalls: pb.toolCalls.map((d) => ({ index: d.index, id: d.id, name: d.name, arguments: d.arguments })),
     isLast: finishReason !== undefined || usage !== undefined,
   };
 }
@@ -424,10 +491,17 @@ export class SessionState {
     return mergeSettings(this.settings, overrides);
   }
 
-  generateRequest(history: HistoryLike, overrides: Settings): pbs.GenerateRequest {
+  generateRequest(history: HistoryLike, overrides: Settings, tools: ToolOptions = {}): pbs.GenerateRequest {
     const messages = messagesToProto(history);
     if (messages.length === 0) throw new TypeError("history is empty: send at least one message");
-    return { sessionId: this.id, messages, settings: settingsToProto(this.turnSettings(overrides)) };
+    return {
+      sessionId: this.id,
+      messages,
+      settings: settingsToProto(this.turnSettings(overrides)),
+      tools: toolsToProto(tools.tools ?? []),
+      toolChoice: tools.toolChoice ?? "",
+      ...(tools.parallelToolCalls !== undefined && { parallelToolCalls: tools.parallelToolCalls }),
+    };
   }
 
   warmupRequest(history: HistoryLike): pbs.WarmupRequest {

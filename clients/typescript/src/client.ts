@@ -52,10 +52,17 @@ export interface NewSessionOptions extends CallOptions {
   settings?: Settings;
 }
 
-/** Options of `session.generate()`: call options plus per-turn settings overrides. */
-export type GenerateOptions = CallOptions & Settings;
+/** Options of `session.generate()`: call options, tools, plus per-turn settings overrides. */
+export type GenerateOptions = CallOptions & base.ToolOptions & Settings;
 
-const GENERATE_OPTION_NAMES: ReadonlySet<string> = new Set<string>([...SETTINGS_FIELDS, "timeoutMs", "signal"]);
+const GENERATE_OPTION_NAMES: ReadonlySet<string> = new Set<string>([
+  ...SETTINGS_FIELDS,
+  "timeoutMs",
+  "signal",
+  "tools",
+  "toolChoice",
+  "parallelToolCalls",
+]);
 
 interface UnaryMethod<Req, Res> {
   readonly path: string;
@@ -491,8 +498,12 @@ export class Session {
     for (const key of Object.keys(options)) {
       if (!GENERATE_OPTION_NAMES.has(key)) throw new TypeError(`unknown generate() option ${JSON.stringify(key)}`);
     }
-    const { signal, timeoutMs, ...overrides } = options;
-    const request = this.#state.generateRequest(history, overrides);
+    const { signal, timeoutMs, tools, toolChoice, parallelToolCalls, ...overrides } = options;
+    const toolOptions: base.ToolOptions = {};
+    if (tools !== undefined) toolOptions.tools = tools;
+    if (toolChoice !== undefined) toolOptions.toolChoice = toolChoice;
+    if (parallelToolCalls !== undefined) toolOptions.parallelToolCalls = parallelToolCalls;
+    const request = this.#state.generateRequest(history, overrides, toolOptions);
     const callOptions: CallOptions = {};
     if (signal !== undefined) callOptions.signal = signal;
     if (timeoutMs !== undefined) callOptions.timeoutMs = timeoutMs;

@@ -35,7 +35,8 @@ export {
   Unavailable,
 } from "./errors";
 export { FinishReason, Role } from "./types";
-export { IMPORT_PART_BYTES, withMessageReplaced, withoutLastReply } from "./base";
+export { assistantMessage, IMPORT_PART_BYTES, withMessageReplaced, withoutLastReply } from "./base";
+export type { ToolOptions } from "./base";
 export type {
   Chunk,
   HistoryLike,
@@ -47,6 +48,9 @@ export type {
   Settings,
   Timings,
   TokenLogprob,
+  Tool,
+  ToolCall,
+  ToolCallDelta,
   Usage,
 } from "./types";
 

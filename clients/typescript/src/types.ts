@@ -6,15 +6,17 @@
  */
 
 /** Who wrote a message. The values are the role names chat templates use. */
-export type Role = "system" | "user" | "assistant";
+export type Role = "system" | "user" | "assistant" | "tool";
 export const Role = {
   SYSTEM: "system",
   USER: "user",
   ASSISTANT: "assistant",
+  /** A tool's result; `Message.toolCallId` names the call it answers. */
+  TOOL: "tool",
 } as const satisfies Record<string, Role>;
 
 /** Why a reply ended (only on the last chunk of a turn). */
-export type FinishReason = "eos" | "length" | "stop" | "context";
+export type FinishReason = "eos" | "length" | "stop" | "context" | "tool_calls";
 export const FinishReason = {
   /** The model ended its turn. */
   EOS: "eos",
@@ -24,7 +26,37 @@ export const FinishReason = {
   STOP: "stop",
   /** The session's context window is full. */
   CONTEXT: "context",
+  /** The reply ended with complete tool calls. */
+  TOOL_CALLS: "tool_calls",
 } as const satisfies Record<string, FinishReason>;
+
+/** A call the model made; `arguments` is JSON text matching the tool's parameters. */
+export interface ToolCall {
+  readonly id: string;
+  readonly name: string;
+  readonly arguments: string;
+}
+
+/**
+ * A function the model may call. `parameters` is the arguments' JSON Schema (type object), as
+ * an object or JSON text; the server builds a grammar from it, so calls validate.
+ */
+export interface Tool {
+  readonly name: string;
+  readonly description?: string;
+  readonly parameters?: object | string;
+}
+
+/**
+ * A piece of call `index` of a streamed reply: `id` and `name` come with its first piece only
+ * (empty on the others); the `arguments` pieces, joined, are the call's.
+ */
+export interface ToolCallDelta {
+  readonly index: number;
+  readonly id: string;
+  readonly name: string;
+  readonly arguments: string;
+}
 
 /**
  * One message of the conversation. The caller owns the history and sends all of it every
@@ -33,6 +65,10 @@ export const FinishReason = {
 export interface Message {
   readonly role: Role;
   readonly content: string;
+  /** An assistant message's calls (`content`: the text before them, often empty). */
+  readonly toolCalls?: readonly ToolCall[];
+  /** A `"tool"` message: the id of the call it is the result of. */
+  readonly toolCallId?: string;
 }
 
 /** A `Message`, or a `[role, content]` pair such as `["user", "hi"]`. */
@@ -152,6 +188,8 @@ export interface Chunk {
   readonly servedBy?: ServedBy;
   /** With `Settings.logprobs`: the tokens generated since the previous chunk (else empty). */
   readonly logprobs: readonly TokenLogprob[];
+  /** With `tools`: pieces of the reply's calls (`text` never holds call syntax). */
+  readonly toolCalls: readonly ToolCallDelta[];
   /** True on the chunk that ends the turn. */
   readonly isLast: boolean;
 }

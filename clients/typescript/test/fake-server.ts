@@ -338,5 +338,13 @@ function definedFields(settings: pbc.Settings | undefined): pbc.Settings {
 }
 
 function chunk(text: string): pbs.GenerateChunk {
-  return { text, finishReason: 0, usage: undefined, timings: undefined, servedBy: undefined, logprobs: [] };
+  return {
+    text,
+    finishReason: 0,
+    usage: undefined,
+    timings: undefined,
+    servedBy: undefined,
+    logprobs: [],
+    toolCalls: [],
+  };
 }

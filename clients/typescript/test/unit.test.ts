@@ -36,6 +36,7 @@ import * as errors from "../src/errors";
 import type { Any } from "../src/gen/google/protobuf/any";
 import { BadRequest, ErrorInfo, RetryInfo } from "../src/gen/google/rpc/error_details";
 import { Status as RpcStatus } from "../src/gen/google/rpc/status";
+import * as pbc from "../src/gen/hotloop/v1/common";
 import type * as pbs from "../src/gen/hotloop/v1/session";
 import { encodeApplicationNames, FakeServer, patternBlob } from "./fake-server";
 
@@ -116,6 +117,35 @@ describe("wire helpers", () => {
     assert.throws(() => base.settingsToProto({ seed: 1.5 }), TypeError);
   });
 
+  test("tools go with the turn; calls come back as deltas and join into the assistant message", () => {
+    const state = new base.SessionState("key-1.sig", "m", { temperature: 0.5 });
+    const tool = { name: "f", description: "a function", parameters: { type: "object" } };
+    const options = { tools: [tool], toolChoice: "f", parallelToolCalls: false };
+    const request = state.generateRequest([["user", "hi"]], {}, options);
+    assert.deepEqual(request.tools, [{ name: "f", description: "a function", parameters: '{"type":"object"}' }]);
+    assert.equal(request.toolChoice, "f");
+    assert.equal(request.parallelToolCalls, false);
+    const plain = state.generateRequest([["user", "hi"]], {});
+    assert.deepEqual([plain.tools, plain.toolChoice, plain.parallelToolCalls], [[], "", undefined]);
+    const delta = (index: number, id: string, name: string, args: string) =>
+      base.chunkFromProto({
+        text: "",
+        finishReason: 0,
+        usage: undefined,
+        timings: undefined,
+        servedBy: undefined,
+        logprobs: [],
+        toolCalls: [{ index, id, name, arguments: args }],
+      });
+    const reply = base.assistantMessage([delta(0, "call_1", "f", '{"a"'), delta(0, "", "", ": 1}")]);
+    const call = { id: "call_1", name: "f", arguments: '{"a": 1}' };
+    assert.deepEqual(reply, { role: "assistant", content: "", toolCalls: [call] });
+    const sent = base.messagesToProto([reply, { role: "tool", content: "2", toolCallId: "call_1" }]);
+    assert.equal(sent[0]!.toolCalls[0]!.arguments, '{"a": 1}');
+    assert.deepEqual([sent[1]!.role, sent[1]!.toolCallId], [pbc.Role.ROLE_TOOL, "call_1"]);
+    assert.throws(() => base.asMessage({ role: "tool", content: "x", toolCallId: 3 }), TypeError);
+  });
+
   test("structured output and logprobs settings round-trip; chunks carry logprobs", () => {
     const settings = { jsonSchema: '{"type": "object"}', logprobs: true, topLogprobs: 2 };
     assert.deepEqual(base.settingsFromProto(base.settingsToProto(settings)), settings);
@@ -128,6 +158,7 @@ describe("wire helpers", () => {
       timings: undefined,
       servedBy: undefined,
       logprobs: [{ token: 7, piece, logprob: -0.5, top: [{ token: 7, piece, logprob: -0.5 }] }],
+      toolCalls: [],
     });
     assert.equal(chunk.logprobs.length, 1);
     assert.equal(new TextDecoder().decode(chunk.logprobs[0]!.piece), "Hi");
@@ -136,8 +167,8 @@ describe("wire helpers", () => {
 
   test("history items: objects or pairs, roles case-insensitive, bad ones rejected", () => {
     assert.deepEqual(base.messagesToProto([{ role: "system", content: "s" }, ["user", "u"]]), [
-      { role: 1, content: "s" },
-      { role: 2, content: "u" },
+      { role: 1, content: "s", toolCalls: [], toolCallId: "" },
+      { role: 2, content: "u", toolCalls: [], toolCallId: "" },
     ]);
     assert.deepEqual(base.asMessage(["Assistant", "a"] as unknown), { role: "assistant", content: "a" });
     assert.throws(() => base.asMessage(["robot", "x"] as unknown), /unknown role/);

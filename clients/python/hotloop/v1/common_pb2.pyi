@@ -31,6 +31,8 @@ class _RoleEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Role.ValueType],
     ROLE_SYSTEM: _Role.ValueType  # 1
     ROLE_USER: _Role.ValueType  # 2
     ROLE_ASSISTANT: _Role.ValueType  # 3
+    ROLE_TOOL: _Role.ValueType  # 4
+    """a tool's result; Message.tool_call_id names the call it answers"""
 
 class Role(_Role, metaclass=_RoleEnumTypeWrapper):
     """Who wrote a message of the conversation."""
@@ -40,6 +42,8 @@ ROLE_UNSPECIFIED: Role.ValueType  # 0
 ROLE_SYSTEM: Role.ValueType  # 1
 ROLE_USER: Role.ValueType  # 2
 ROLE_ASSISTANT: Role.ValueType  # 3
+ROLE_TOOL: Role.ValueType  # 4
+"""a tool's result; Message.tool_call_id names the call it answers"""
 Global___Role: _TypeAlias = Role  # noqa: Y015
 
 class _FinishReason:
@@ -57,6 +61,8 @@ class _FinishReasonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_FinishRe
     """a stop sequence matched (it is not included in the text)"""
     FINISH_REASON_CONTEXT: _FinishReason.ValueType  # 4
     """the session's context window is full"""
+    FINISH_REASON_TOOL_CALLS: _FinishReason.ValueType  # 5
+    """the reply ended with complete tool calls"""
 
 class FinishReason(_FinishReason, metaclass=_FinishReasonEnumTypeWrapper): ...
 
@@ -69,6 +75,8 @@ FINISH_REASON_STOP: FinishReason.ValueType  # 3
 """a stop sequence matched (it is not included in the text)"""
 FINISH_REASON_CONTEXT: FinishReason.ValueType  # 4
 """the session's context window is full"""
+FINISH_REASON_TOOL_CALLS: FinishReason.ValueType  # 5
+"""the reply ended with complete tool calls"""
 Global___FinishReason: _TypeAlias = FinishReason  # noqa: Y015
 
 @_typing.final
@@ -81,21 +89,122 @@ class Message(_message.Message):
 
     ROLE_FIELD_NUMBER: _builtins.int
     CONTENT_FIELD_NUMBER: _builtins.int
+    TOOL_CALLS_FIELD_NUMBER: _builtins.int
+    TOOL_CALL_ID_FIELD_NUMBER: _builtins.int
     role: Global___Role.ValueType
     content: _builtins.str
+    tool_call_id: _builtins.str
+    """ROLE_TOOL: the id of the call (of an earlier assistant message) this is the result of."""
+    @_builtins.property
+    def tool_calls(self) -> _containers.RepeatedCompositeFieldContainer[Global___ToolCall]:
+        """ROLE_ASSISTANT: the calls the model made (content is the text before them, often empty)."""
+
     def __init__(
         self,
         *,
         role: Global___Role.ValueType = ...,
         content: _builtins.str = ...,
+        tool_calls: _abc.Iterable[Global___ToolCall] | None = ...,
+        tool_call_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["content", b"content", "role", b"role"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["content", b"content", "role", b"role", "tool_call_id", b"tool_call_id", "tool_calls", b"tool_calls"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___Message: _TypeAlias = Message  # noqa: Y015
+
+@_typing.final
+class Tool(_message.Message):
+    """A function the model may call (GenerateRequest.tools)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    DESCRIPTION_FIELD_NUMBER: _builtins.int
+    PARAMETERS_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """1-64 of [A-Za-z0-9_-]"""
+    description: _builtins.str
+    parameters: _builtins.str
+    """the arguments' JSON Schema (type object), as JSON text; empty: none"""
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        description: _builtins.str = ...,
+        parameters: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["description", b"description", "name", b"name", "parameters", b"parameters"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Tool: _TypeAlias = Tool  # noqa: Y015
+
+@_typing.final
+class ToolCall(_message.Message):
+    """A call the model made: arguments are JSON text matching the tool's parameters (a grammar
+    built from the schema constrains them).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ID_FIELD_NUMBER: _builtins.int
+    NAME_FIELD_NUMBER: _builtins.int
+    ARGUMENTS_FIELD_NUMBER: _builtins.int
+    id: _builtins.str
+    name: _builtins.str
+    arguments: _builtins.str
+    def __init__(
+        self,
+        *,
+        id: _builtins.str = ...,
+        name: _builtins.str = ...,
+        arguments: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["arguments", b"arguments", "id", b"id", "name", b"name"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ToolCall: _TypeAlias = ToolCall  # noqa: Y015
+
+@_typing.final
+class ToolCallDelta(_message.Message):
+    """A piece of a call in a streamed reply: id and name come with its first piece only; the
+    arguments' pieces, joined, are the call's arguments.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    INDEX_FIELD_NUMBER: _builtins.int
+    ID_FIELD_NUMBER: _builtins.int
+    NAME_FIELD_NUMBER: _builtins.int
+    ARGUMENTS_FIELD_NUMBER: _builtins.int
+    index: _builtins.int
+    """which call of the reply (0, 1, ...)"""
+    id: _builtins.str
+    name: _builtins.str
+    arguments: _builtins.str
+    def __init__(
+        self,
+        *,
+        index: _builtins.int = ...,
+        id: _builtins.str = ...,
+        name: _builtins.str = ...,
+        arguments: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["arguments", b"arguments", "id", b"id", "index", b"index", "name", b"name"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ToolCallDelta: _TypeAlias = ToolCallDelta  # noqa: Y015
 
 @_typing.final
 class Settings(_message.Message):

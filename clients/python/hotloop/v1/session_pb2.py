@@ -26,7 +26,7 @@ _sym_db = _symbol_database.Default()
 from hotloop.v1 import common_pb2 as hotloop_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18hotloop/v1/session.proto\x12\nhotloop.v1\x1a\x17hotloop/v1/common.proto\"b\n\x14\x43reateSessionRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12&\n\x08settings\x18\x02 \x01(\x0b\x32\x14.hotloop.v1.Settings\x12\x13\n\x0bsession_key\x18\x03 \x01(\t\"\xb4\x01\n\x07Session\x12\n\n\x02id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12&\n\x08settings\x18\x03 \x01(\x0b\x32\x14.hotloop.v1.Settings\x12\x16\n\x0e\x63ontext_tokens\x18\x04 \x01(\r\x12\r\n\x05state\x18\x05 \x01(\t\x12\'\n\tserved_by\x18\x06 \x01(\x0b\x32\x14.hotloop.v1.ServedBy\x12\x16\n\x0elast_used_unix\x18\x07 \x01(\x01\"t\n\x0fGenerateRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12%\n\x08messages\x18\x02 \x03(\x0b\x32\x13.hotloop.v1.Message\x12&\n\x08settings\x18\x03 \x01(\x0b\x32\x14.hotloop.v1.Settings\"\xeb\x01\n\rGenerateChunk\x12\x0c\n\x04text\x18\x01 \x01(\t\x12/\n\rfinish_reason\x18\x02 \x01(\x0e\x32\x18.hotloop.v1.FinishReason\x12 \n\x05usage\x18\x03 \x01(\x0b\x32\x11.hotloop.v1.Usage\x12$\n\x07timings\x18\x04 \x01(\x0b\x32\x13.hotloop.v1.Timings\x12\'\n\tserved_by\x18\x05 \x01(\x0b\x32\x14.hotloop.v1.ServedBy\x12*\n\x08logprobs\x18\x06 \x03(\x0b\x32\x18.hotloop.v1.TokenLogprob\"r\n\rWarmupRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12%\n\x08messages\x18\x02 \x03(\x0b\x32\x13.hotloop.v1.Message\x12&\n\x08settings\x18\x03 \x01(\x0b\x32\x14.hotloop.v1.Settings\"s\n\x0eWarmupResponse\x12 \n\x05usage\x18\x01 \x01(\x0b\x32\x11.hotloop.v1.Usage\x12\x16\n\x0e\x63ontext_tokens\x18\x02 \x01(\r\x12\'\n\tserved_by\x18\x03 \x01(\x0b\x32\x14.hotloop.v1.ServedBy\"\'\n\x11GetSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"S\n\x15UpdateSettingsRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12&\n\x08settings\x18\x02 \x01(\x0b\x32\x14.hotloop.v1.Settings\"\'\n\x11\x43learCacheRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\")\n\x13\x43loseSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"\x16\n\x14\x43loseSessionResponse\"\x8c\x01\n\x12\x46orkSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12%\n\x08messages\x18\x02 \x03(\x0b\x32\x13.hotloop.v1.Message\x12&\n\x08settings\x18\x03 \x01(\x0b\x32\x14.hotloop.v1.Settings\x12\x13\n\x0bsession_key\x18\x04 \x01(\t\"$\n\x13ListSessionsRequest\x12\r\n\x05model\x18\x01 \x01(\t\"=\n\x14ListSessionsResponse\x12%\n\x08sessions\x18\x01 \x03(\x0b\x32\x13.hotloop.v1.Session\"*\n\x14\x45xportSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"7\n\x12\x45xportSessionChunk\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12\x13\n\x0btotal_bytes\x18\x02 \x01(\x04\"\x95\x01\n\x14ImportSessionRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x13\n\x0bsession_key\x18\x02 \x01(\t\x12&\n\x08settings\x18\x03 \x01(\x0b\x32\x14.hotloop.v1.Settings\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\x12\x0e\n\x06offset\x18\x05 \x01(\x04\x12\x13\n\x0btotal_bytes\x18\x06 \x01(\x04\x32\xb4\x06\n\x0eSessionService\x12\x46\n\rCreateSession\x12 .hotloop.v1.CreateSessionRequest\x1a\x13.hotloop.v1.Session\x12\x44\n\x08Generate\x12\x1b.hotloop.v1.GenerateRequest\x1a\x19.hotloop.v1.GenerateChunk0\x01\x12?\n\x06Warmup\x12\x19.hotloop.v1.WarmupRequest\x1a\x1a.hotloop.v1.WarmupResponse\x12@\n\nGetSession\x12\x1d.hotloop.v1.GetSessionRequest\x1a\x13.hotloop.v1.Session\x12H\n\x0eUpdateSettings\x12!.hotloop.v1.UpdateSettingsRequest\x1a\x13.hotloop.v1.Session\x12@\n\nClearCache\x12\x1d.hotloop.v1.ClearCacheRequest\x1a\x13.hotloop.v1.Session\x12Q\n\x0c\x43loseSession\x12\x1f.hotloop.v1.CloseSessionRequest\x1a .hotloop.v1.CloseSessionResponse\x12\x42\n\x0b\x46orkSession\x12\x1e.hotloop.v1.ForkSessionRequest\x1a\x13.hotloop.v1.Session\x12Q\n\x0cListSessions\x12\x1f.hotloop.v1.ListSessionsRequest\x1a .hotloop.v1.ListSessionsResponse\x12S\n\rExportSession\x12 .hotloop.v1.ExportSessionRequest\x1a\x1e.hotloop.v1.ExportSessionChunk0\x01\x12\x46\n\rImportSession\x12 .hotloop.v1.ImportSessionRequest\x1a\x13.hotloop.v1.Sessionb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18hotloop/v1/session.proto\x12\nhotloop.v1\x1a\x17hotloop/v1/common.proto\"b\n\x14\x43reateSessionRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12&\n\x08settings\x18\x02 \x01(\x0b\x32\x14.hotloop.v1.Settings\x12\x13\n\x0bsession_key\x18\x03 \x01(\t\"\xb4\x01\n\x07Session\x12\n\n\x02id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12&\n\x08settings\x18\x03 \x01(\x0b\x32\x14.hotloop.v1.Settings\x12\x16\n\x0e\x63ontext_tokens\x18\x04 \x01(\r\x12\r\n\x05state\x18\x05 \x01(\t\x12\'\n\tserved_by\x18\x06 \x01(\x0b\x32\x14.hotloop.v1.ServedBy\x12\x16\n\x0elast_used_unix\x18\x07 \x01(\x01\"\xe4\x01\n\x0fGenerateRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12%\n\x08messages\x18\x02 \x03(\x0b\x32\x13.hotloop.v1.Message\x12&\n\x08settings\x18\x03 \x01(\x0b\x32\x14.hotloop.v1.Settings\x12\x1f\n\x05tools\x18\x04 \x03(\x0b\x32\x10.hotloop.v1.Tool\x12\x13\n\x0btool_choice\x18\x05 \x01(\t\x12 \n\x13parallel_tool_calls\x18\x06 \x01(\x08H\x00\x88\x01\x01\x42\x16\n\x14_parallel_tool_calls\"\x9a\x02\n\rGenerateChunk\x12\x0c\n\x04text\x18\x01 \x01(\t\x12/\n\rfinish_reason\x18\x02 \x01(\x0e\x32\x18.hotloop.v1.FinishReason\x12 \n\x05usage\x18\x03 \x01(\x0b\x32\x11.hotloop.v1.Usage\x12$\n\x07timings\x18\x04 \x01(\x0b\x32\x13.hotloop.v1.Timings\x12\'\n\tserved_by\x18\x05 \x01(\x0b\x32\x14.hotloop.v1.ServedBy\x12*\n\x08logprobs\x18\x06 \x03(\x0b\x32\x18.hotloop.v1.TokenLogprob\x12-\n\ntool_calls\x18\x07 \x03(\x0b\x32\x19.hotloop.v1.ToolCallDelta\"r\n\rWarmupRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12%\n\x08messages\x18\x02 \x03(\x0b\x32\x13.hotloop.v1.Message\x12&\n\x08settings\x18\x03 \x01(\x0b\x32\x14.hotloop.v1.Settings\"s\n\x0eWarmupResponse\x12 \n\x05usage\x18\x01 \x01(\x0b\x32\x11.hotloop.v1.Usage\x12\x16\n\x0e\x63ontext_tokens\x18\x02 \x01(\r\x12\'\n\tserved_by\x18\x03 \x01(\x0b\x32\x14.hotloop.v1.ServedBy\"\'\n\x11GetSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"S\n\x15UpdateSettingsRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12&\n\x08settings\x18\x02 \x01(\x0b\x32\x14.hotloop.v1.Settings\"\'\n\x11\x43learCacheRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\")\n\x13\x43loseSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"\x16\n\x14\x43loseSessionResponse\"\x8c\x01\n\x12\x46orkSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12%\n\x08messages\x18\x02 \x03(\x0b\x32\x13.hotloop.v1.Message\x12&\n\x08settings\x18\x03 \x01(\x0b\x32\x14.hotloop.v1.Settings\x12\x13\n\x0bsession_key\x18\x04 \x01(\t\"$\n\x13ListSessionsRequest\x12\r\n\x05model\x18\x01 \x01(\t\"=\n\x14ListSessionsResponse\x12%\n\x08sessions\x18\x01 \x03(\x0b\x32\x13.hotloop.v1.Session\"*\n\x14\x45xportSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"7\n\x12\x45xportSessionChunk\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12\x13\n\x0btotal_bytes\x18\x02 \x01(\x04\"\x95\x01\n\x14ImportSessionRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x13\n\x0bsession_key\x18\x02 \x01(\t\x12&\n\x08settings\x18\x03 \x01(\x0b\x32\x14.hotloop.v1.Settings\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\x12\x0e\n\x06offset\x18\x05 \x01(\x04\x12\x13\n\x0btotal_bytes\x18\x06 \x01(\x04\x32\xb4\x06\n\x0eSessionService\x12\x46\n\rCreateSession\x12 .hotloop.v1.CreateSessionRequest\x1a\x13.hotloop.v1.Session\x12\x44\n\x08Generate\x12\x1b.hotloop.v1.GenerateRequest\x1a\x19.hotloop.v1.GenerateChunk0\x01\x12?\n\x06Warmup\x12\x19.hotloop.v1.WarmupRequest\x1a\x1a.hotloop.v1.WarmupResponse\x12@\n\nGetSession\x12\x1d.hotloop.v1.GetSessionRequest\x1a\x13.hotloop.v1.Session\x12H\n\x0eUpdateSettings\x12!.hotloop.v1.UpdateSettingsRequest\x1a\x13.hotloop.v1.Session\x12@\n\nClearCache\x12\x1d.hotloop.v1.ClearCacheRequest\x1a\x13.hotloop.v1.Session\x12Q\n\x0c\x43loseSession\x12\x1f.hotloop.v1.CloseSessionRequest\x1a .hotloop.v1.CloseSessionResponse\x12\x42\n\x0b\x46orkSession\x12\x1e.hotloop.v1.ForkSessionRequest\x1a\x13.hotloop.v1.Session\x12Q\n\x0cListSessions\x12\x1f.hotloop.v1.ListSessionsRequest\x1a .hotloop.v1.ListSessionsResponse\x12S\n\rExportSession\x12 .hotloop.v1.ExportSessionRequest\x1a\x1e.hotloop.v1.ExportSessionChunk0\x01\x12\x46\n\rImportSession\x12 .hotloop.v1.ImportSessionRequest\x1a\x13.hotloop.v1.Sessionb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,36 +37,36 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CREATESESSIONREQUEST']._serialized_end=163
   _globals['_SESSION']._serialized_start=166
   _globals['_SESSION']._serialized_end=346
-  _globals['_GENERATEREQUEST']._serialized_start=348
-  _globals['_GENERATEREQUEST']._serialized_end=464
-  _globals['_GENERATECHUNK']._serialized_start=467
-  _globals['_GENERATECHUNK']._serialized_end=702
-  _globals['_WARMUPREQUEST']._serialized_start=704
-  _globals['_WARMUPREQUEST']._serialized_end=818
-  _globals['_WARMUPRESPONSE']._serialized_start=820
-  _globals['_WARMUPRESPONSE']._serialized_end=935
-  _globals['_GETSESSIONREQUEST']._serialized_start=937
-  _globals['_GETSESSIONREQUEST']._serialized_end=976
-  _globals['_UPDATESETTINGSREQUEST']._serialized_start=978
-  _globals['_UPDATESETTINGSREQUEST']._serialized_end=1061
-  _globals['_CLEARCACHEREQUEST']._serialized_start=1063
-  _globals['_CLEARCACHEREQUEST']._serialized_end=1102
-  _globals['_CLOSESESSIONREQUEST']._serialized_start=1104
-  _globals['_CLOSESESSIONREQUEST']._serialized_end=1145
-  _globals['_CLOSESESSIONRESPONSE']._serialized_start=1147
-  _globals['_CLOSESESSIONRESPONSE']._serialized_end=1169
-  _globals['_FORKSESSIONREQUEST']._serialized_start=1172
-  _globals['_FORKSESSIONREQUEST']._serialized_end=1312
-  _globals['_LISTSESSIONSREQUEST']._serialized_start=1314
-  _globals['_LISTSESSIONSREQUEST']._serialized_end=1350
-  _globals['_LISTSESSIONSRESPONSE']._serialized_start=1352
-  _globals['_LISTSESSIONSRESPONSE']._serialized_end=1413
-  _globals['_EXPORTSESSIONREQUEST']._serialized_start=1415
-  _globals['_EXPORTSESSIONREQUEST']._serialized_end=1457
-  _globals['_EXPORTSESSIONCHUNK']._serialized_start=1459
-  _globals['_EXPORTSESSIONCHUNK']._serialized_end=1514
-  _globals['_IMPORTSESSIONREQUEST']._serialized_start=1517
-  _globals['_IMPORTSESSIONREQUEST']._serialized_end=1666
-  _globals['_SESSIONSERVICE']._serialized_start=1669
-  _globals['_SESSIONSERVICE']._serialized_end=2489
+  _globals['_GENERATEREQUEST']._serialized_start=349
+  _globals['_GENERATEREQUEST']._serialized_end=577
+  _globals['_GENERATECHUNK']._serialized_start=580
+  _globals['_GENERATECHUNK']._serialized_end=862
+  _globals['_WARMUPREQUEST']._serialized_start=864
+  _globals['_WARMUPREQUEST']._serialized_end=978
+  _globals['_WARMUPRESPONSE']._serialized_start=980
+  _globals['_WARMUPRESPONSE']._serialized_end=1095
+  _globals['_GETSESSIONREQUEST']._serialized_start=1097
+  _globals['_GETSESSIONREQUEST']._serialized_end=1136
+  _globals['_UPDATESETTINGSREQUEST']._serialized_start=1138
+  _globals['_UPDATESETTINGSREQUEST']._serialized_end=1221
+  _globals['_CLEARCACHEREQUEST']._serialized_start=1223
+  _globals['_CLEARCACHEREQUEST']._serialized_end=1262
+  _globals['_CLOSESESSIONREQUEST']._serialized_start=1264
+  _globals['_CLOSESESSIONREQUEST']._serialized_end=1305
+  _globals['_CLOSESESSIONRESPONSE']._serialized_start=1307
+  _globals['_CLOSESESSIONRESPONSE']._serialized_end=1329
+  _globals['_FORKSESSIONREQUEST']._serialized_start=1332
+  _globals['_FORKSESSIONREQUEST']._serialized_end=1472
+  _globals['_LISTSESSIONSREQUEST']._serialized_start=1474
+  _globals['_LISTSESSIONSREQUEST']._serialized_end=1510
+  _globals['_LISTSESSIONSRESPONSE']._serialized_start=1512
+  _globals['_LISTSESSIONSRESPONSE']._serialized_end=1573
+  _globals['_EXPORTSESSIONREQUEST']._serialized_start=1575
+  _globals['_EXPORTSESSIONREQUEST']._serialized_end=1617
+  _globals['_EXPORTSESSIONCHUNK']._serialized_start=1619
+  _globals['_EXPORTSESSIONCHUNK']._serialized_end=1674
+  _globals['_IMPORTSESSIONREQUEST']._serialized_start=1677
+  _globals['_IMPORTSESSIONREQUEST']._serialized_end=1826
+  _globals['_SESSIONSERVICE']._serialized_start=1829
+  _globals['_SESSIONSERVICE']._serialized_end=2649
 # @@protoc_insertion_point(module_scope)

@@ -100,7 +100,16 @@ class GenerateRequest(_message.Message):
     SESSION_ID_FIELD_NUMBER: _builtins.int
     MESSAGES_FIELD_NUMBER: _builtins.int
     SETTINGS_FIELD_NUMBER: _builtins.int
+    TOOLS_FIELD_NUMBER: _builtins.int
+    TOOL_CHOICE_FIELD_NUMBER: _builtins.int
+    PARALLEL_TOOL_CALLS_FIELD_NUMBER: _builtins.int
     session_id: _builtins.str
+    tool_choice: _builtins.str
+    """"auto" (the default with tools: text, or text then calls), "none" (text only), "required"
+    (calls only), or a tool's name (calls of that tool only).
+    """
+    parallel_tool_calls: _builtins.bool
+    """default true: up to 8 calls per reply; false: one"""
     @_builtins.property
     def messages(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.Message]: ...
     @_builtins.property
@@ -109,18 +118,29 @@ class GenerateRequest(_message.Message):
         settings here so a session rebuilt on another replica keeps them.
         """
 
+    @_builtins.property
+    def tools(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.Tool]:
+        """Functions the model may call this turn, rendered into the prompt by the model's chat
+        template (docs/openai.md: tool calling). A reply's calls arrive as GenerateChunk.tool_calls.
+        """
+
     def __init__(
         self,
         *,
         session_id: _builtins.str = ...,
         messages: _abc.Iterable[_common_pb2.Message] | None = ...,
         settings: _common_pb2.Settings | None = ...,
+        tools: _abc.Iterable[_common_pb2.Tool] | None = ...,
+        tool_choice: _builtins.str = ...,
+        parallel_tool_calls: _builtins.bool | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["settings", b"settings"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_parallel_tool_calls", b"_parallel_tool_calls", "parallel_tool_calls", b"parallel_tool_calls", "settings", b"settings"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["messages", b"messages", "session_id", b"session_id", "settings", b"settings"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_parallel_tool_calls", b"_parallel_tool_calls", "messages", b"messages", "parallel_tool_calls", b"parallel_tool_calls", "session_id", b"session_id", "settings", b"settings", "tool_choice", b"tool_choice", "tools", b"tools"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__parallel_tool_calls: _TypeAlias = _typing.Literal["parallel_tool_calls"]  # noqa: Y015
+    _WhichOneofArgType__parallel_tool_calls: _TypeAlias = _typing.Literal["_parallel_tool_calls", b"_parallel_tool_calls"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__parallel_tool_calls) -> _WhichOneofReturnType__parallel_tool_calls | None: ...
 
 Global___GenerateRequest: _TypeAlias = GenerateRequest  # noqa: Y015
 
@@ -134,6 +154,7 @@ class GenerateChunk(_message.Message):
     TIMINGS_FIELD_NUMBER: _builtins.int
     SERVED_BY_FIELD_NUMBER: _builtins.int
     LOGPROBS_FIELD_NUMBER: _builtins.int
+    TOOL_CALLS_FIELD_NUMBER: _builtins.int
     text: _builtins.str
     finish_reason: _common_pb2.FinishReason.ValueType
     """Only on the last chunk:"""
@@ -149,6 +170,10 @@ class GenerateChunk(_message.Message):
         tokens while a possible stop sequence or a split UTF-8 character is held back).
         """
 
+    @_builtins.property
+    def tool_calls(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.ToolCallDelta]:
+        """With GenerateRequest.tools: pieces of the reply's calls (text never holds call syntax)."""
+
     def __init__(
         self,
         *,
@@ -158,10 +183,11 @@ class GenerateChunk(_message.Message):
         timings: _common_pb2.Timings | None = ...,
         served_by: _common_pb2.ServedBy | None = ...,
         logprobs: _abc.Iterable[_common_pb2.TokenLogprob] | None = ...,
+        tool_calls: _abc.Iterable[_common_pb2.ToolCallDelta] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["served_by", b"served_by", "timings", b"timings", "usage", b"usage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["finish_reason", b"finish_reason", "logprobs", b"logprobs", "served_by", b"served_by", "text", b"text", "timings", b"timings", "usage", b"usage"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["finish_reason", b"finish_reason", "logprobs", b"logprobs", "served_by", b"served_by", "text", b"text", "timings", b"timings", "tool_calls", b"tool_calls", "usage", b"usage"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

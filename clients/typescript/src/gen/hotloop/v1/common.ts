@@ -20,6 +20,8 @@ export enum Role {
   ROLE_SYSTEM = 1,
   ROLE_USER = 2,
   ROLE_ASSISTANT = 3,
+  /** ROLE_TOOL - a tool's result; Message.tool_call_id names the call it answers */
+  ROLE_TOOL = 4,
 }
 
 export enum FinishReason {
@@ -32,6 +34,8 @@ export enum FinishReason {
   FINISH_REASON_STOP = 3,
   /** FINISH_REASON_CONTEXT - the session's context window is full */
   FINISH_REASON_CONTEXT = 4,
+  /** FINISH_REASON_TOOL_CALLS - the reply ended with complete tool calls */
+  FINISH_REASON_TOOL_CALLS = 5,
 }
 
 /**
@@ -41,6 +45,41 @@ export enum FinishReason {
 export interface Message {
   role: Role;
   content: string;
+  /** ROLE_ASSISTANT: the calls the model made (content is the text before them, often empty). */
+  toolCalls: ToolCall[];
+  /** ROLE_TOOL: the id of the call (of an earlier assistant message) this is the result of. */
+  toolCallId: string;
+}
+
+/** A function the model may call (GenerateRequest.tools). */
+export interface Tool {
+  /** 1-64 of [A-Za-z0-9_-] */
+  name: string;
+  description: string;
+  /** the arguments' JSON Schema (type object), as JSON text; empty: none */
+  parameters: string;
+}
+
+/**
+ * A call the model made: arguments are JSON text matching the tool's parameters (a grammar
+ * built from the schema constrains them).
+ */
+export interface ToolCall {
+  id: string;
+  name: string;
+  arguments: string;
+}
+
+/**
+ * A piece of a call in a streamed reply: id and name come with its first piece only; the
+ * arguments' pieces, joined, are the call's arguments.
+ */
+export interface ToolCallDelta {
+  /** which call of the reply (0, 1, ...) */
+  index: number;
+  id: string;
+  name: string;
+  arguments: string;
 }
 
 /**
@@ -159,7 +198,7 @@ export interface ServedBy {
 }
 
 function createBaseMessage(): Message {
-  return { role: 0, content: "" };
+  return { role: 0, content: "", toolCalls: [], toolCallId: "" };
 }
 
 export const Message: MessageFns<Message> = {
@@ -169,6 +208,12 @@ export const Message: MessageFns<Message> = {
     }
     if (message.content !== "") {
       writer.uint32(18).string(message.content);
+    }
+    for (const v of message.toolCalls) {
+      ToolCall.encode(v!, writer.uint32(26).fork()).join();
+    }
+    if (message.toolCallId !== "") {
+      writer.uint32(34).string(message.toolCallId);
     }
     return writer;
   },
@@ -202,6 +247,22 @@ export const Message: MessageFns<Message> = {
             message.content = reader.string();
             continue;
           }
+          case 3: {
+            if (tag !== 26) {
+              break;
+            }
+
+            message.toolCalls.push(ToolCall.decode(reader, reader.uint32()));
+            continue;
+          }
+          case 4: {
+            if (tag !== 34) {
+              break;
+            }
+
+            message.toolCallId = reader.string();
+            continue;
+          }
         }
         if ((tag & 7) === 4 || tag === 0) {
           break;
@@ -221,6 +282,257 @@ export const Message: MessageFns<Message> = {
     const message = createBaseMessage();
     message.role = object.role ?? 0;
     message.content = object.content ?? "";
+    message.toolCalls = object.toolCalls?.map((e) => ToolCall.fromPartial(e)) || [];
+    message.toolCallId = object.toolCallId ?? "";
+    return message;
+  },
+};
+
+function createBaseTool(): Tool {
+  return { name: "", description: "", parameters: "" };
+}
+
+export const Tool: MessageFns<Tool> = {
+  encode(message: Tool, writer: BinaryWriter = new BinaryWriter()): BinaryWriter {
+    if (message.name !== "") {
+      writer.uint32(10).string(message.name);
+    }
+    if (message.description !== "") {
+      writer.uint32(18).string(message.description);
+    }
+    if (message.parameters !== "") {
+      writer.uint32(26).string(message.parameters);
+    }
+    return writer;
+  },
+
+  decode(input: BinaryReader | Uint8Array, length?: number): Tool {
+    const reader = input instanceof BinaryReader ? input : new BinaryReader(input);
+    const previousRecursionDepth = (reader as any).__tsProtoDecodeDepth ?? 0;
+    if (previousRecursionDepth >= 100) {
+      throw new globalThis.Error("protobuf decode recursion limit exceeded");
+    }
+    (reader as any).__tsProtoDecodeDepth = previousRecursionDepth + 1;
+    try {
+      const end = length === undefined ? reader.len : reader.pos + length;
+      const message = createBaseTool();
+      while (reader.pos < end) {
+        const tag = reader.uint32();
+        switch (tag >>> 3) {
+          case 1: {
+            if (tag !== 10) {
+              break;
+            }
+
+            message.name = reader.string();
+            continue;
+          }
+          case 2: {
+            if (tag !== 18) {
+              break;
+            }
+
+            message.description = reader.string();
+            continue;
+          }
+          case 3: {
+            if (tag !== 26) {
+              break;
+            }
+
+            message.parameters = reader.string();
+            continue;
+          }
+        }
+        if ((tag & 7) === 4 || tag === 0) {
+          break;
+        }
+        reader.skip(tag & 7);
+      }
+      return message;
+    } finally {
+      (reader as any).__tsProtoDecodeDepth = previousRecursionDepth;
+    }
+  },
+
+  create(base?: DeepPartial<Tool>): Tool {
+    return Tool.fromPartial(base ?? {});
+  },
+  fromPartial(object: DeepPartial<Tool>): Tool {
+    const message = createBaseTool();
+    message.name = object.name ?? "";
+    message.description = object.description ?? "";
+    message.parameters = object.parameters ?? "";
+    return message;
+  },
+};
+
+function createBaseToolCall(): ToolCall {
+  return { id: "", name: "", arguments: "" };
+}
+
+export const ToolCall: MessageFns<ToolCall> = {
+  encode(message: ToolCall, writer: BinaryWriter = new BinaryWriter()): BinaryWriter {
+    if (message.id !== "") {
+      writer.uint32(10).string(message.id);
+    }
+    if (message.name !== "") {
+      writer.uint32(18).string(message.name);
+    }
+    if (message.arguments !== "") {
+      writer.uint32(26).string(message.arguments);
+    }
+    return writer;
+  },
+
+  decode(input: BinaryReader | Uint8Array, length?: number): ToolCall {
+    const reader = input instanceof BinaryReader ? input : new BinaryReader(input);
+    const previousRecursionDepth = (reader as any).__tsProtoDecodeDepth ?? 0;
+    if (previousRecursionDepth >= 100) {
+      throw new globalThis.Error("protobuf decode recursion limit exceeded");
+    }
+    (reader as any).__tsProtoDecodeDepth = previousRecursionDepth + 1;
+    try {
+      const end = length === undefined ? reader.len : reader.pos + length;
+      const message = createBaseToolCall();
+      while (reader.pos < end) {
+        const tag = reader.uint32();
+        switch (tag >>> 3) {
+          case 1: {
+            if (tag !== 10) {
+              break;
+            }
+
+            message.id = reader.string();
+            continue;
+          }
+          case 2: {
+            if (tag !== 18) {
+              break;
+            }
+
+            message.name = reader.string();
+            continue;
+          }
+          case 3: {
+            if (tag !== 26) {
+              break;
+            }
+
+            message.arguments = reader.string();
+            continue;
+          }
+        }
+        if ((tag & 7) === 4 || tag === 0) {
+          break;
+        }
+        reader.skip(tag & 7);
+      }
+      return message;
+    } finally {
+      (reader as any).__tsProtoDecodeDepth = previousRecursionDepth;
+    }
+  },
+
+  create(base?: DeepPartial<ToolCall>): ToolCall {
+    return ToolCall.fromPartial(base ?? {});
+  },
+  fromPartial(object: DeepPartial<ToolCall>): ToolCall {
+    const message = createBaseToolCall();
+    message.id = object.id ?? "";
+    message.name = object.name ?? "";
+    message.arguments = object.arguments ?? "";
+    return message;
+  },
+};
+
+function createBaseToolCallDelta(): ToolCallDelta {
+  return { index: 0, id: "", name: "", arguments: "" };
+}
+
+export const ToolCallDelta: MessageFns<ToolCallDelta> = {
+  encode(message: ToolCallDelta, writer: BinaryWriter = new BinaryWriter()): BinaryWriter {
+    if (message.index !== 0) {
+      writer.uint32(8).uint32(message.index);
+    }
+    if (message.id !== "") {
+      writer.uint32(18).string(message.id);
+    }
+    if (message.name !== "") {
+      writer.uint32(26).string(message.name);
+    }
+    if (message.arguments !== "") {
+      writer.uint32(34).string(message.arguments);
+    }
+    return writer;
+  },
+
+  decode(input: BinaryReader | Uint8Array, length?: number): ToolCallDelta {
+    const reader = input instanceof BinaryReader ? input : new BinaryReader(input);
+    const previousRecursionDepth = (reader as any).__tsProtoDecodeDepth ?? 0;
+    if (previousRecursionDepth >= 100) {
+      throw new globalThis.Error("protobuf decode recursion limit exceeded");
+    }
+    (reader as any).__tsProtoDecodeDepth = previousRecursionDepth + 1;
+    try {
+      const end = length === undefined ? reader.len : reader.pos + length;
+      const message = createBaseToolCallDelta();
+      while (reader.pos < end) {
+        const tag = reader.uint32();
+        switch (tag >>> 3) {
+          case 1: {
+            if (tag !== 8) {
+              break;
+            }
+
+            message.index = reader.uint32();
+            continue;
+          }
+          case 2: {
+            if (tag !== 18) {
+              break;
+            }
+
+            message.id = reader.string();
+            continue;
+          }
+          case 3: {
+            if (tag !== 26) {
+              break;
+            }
+
+            message.name = reader.string();
+            continue;
+          }
+          case 4: {
+            if (tag !== 34) {
+              break;
+            }
+
+            message.arguments = reader.string();
+            continue;
+          }
+        }
+        if ((tag & 7) === 4 || tag === 0) {
+          break;
+        }
+        reader.skip(tag & 7);
+      }
+      return message;
+    } finally {
+      (reader as any).__tsProtoDecodeDepth = previousRecursionDepth;
+    }
+  },
+
+  create(base?: DeepPartial<ToolCallDelta>): ToolCallDelta {
+    return ToolCallDelta.fromPartial(base ?? {});
+  },
+  fromPartial(object: DeepPartial<ToolCallDelta>): ToolCallDelta {
+    const message = createBaseToolCallDelta();
+    message.index = object.index ?? 0;
+    message.id = object.id ?? "";
+    message.name = object.name ?? "";
+    message.arguments = object.arguments ?? "";
     return message;
   },
 };

@@ -20,7 +20,7 @@ import {
   type ServiceError,
   type UntypedServiceImplementation,
 } from "@grpc/grpc-js";
-import { FinishReason, Message, ServedBy, Settings, Timings, TokenLogprob, Usage } from "./common";
+import { FinishReason, Message, ServedBy, Settings, Timings, TokenLogprob, Tool, ToolCallDelta, Usage } from "./common";
 
 export const protobufPackage = "hotloop.v1";
 
@@ -65,7 +65,21 @@ export interface GenerateRequest {
    * Settings for this turn, layered over the session's own. The SDKs send the session's
    * settings here so a session rebuilt on another replica keeps them.
    */
-  settings: Settings | undefined;
+  settings:
+    | Settings
+    | undefined;
+  /**
+   * Functions the model may call this turn, rendered into the prompt by the model's chat
+   * template (docs/openai.md: tool calling). A reply's calls arrive as GenerateChunk.tool_calls.
+   */
+  tools: Tool[];
+  /**
+   * "auto" (the default with tools: text, or text then calls), "none" (text only), "required"
+   * (calls only), or a tool's name (calls of that tool only).
+   */
+  toolChoice: string;
+  /** default true: up to 8 calls per reply; false: one */
+  parallelToolCalls?: boolean | undefined;
 }
 
 export interface GenerateChunk {
@@ -82,6 +96,8 @@ export interface GenerateChunk {
    * tokens while a possible stop sequence or a split UTF-8 character is held back).
    */
   logprobs: TokenLogprob[];
+  /** With GenerateRequest.tools: pieces of the reply's calls (text never holds call syntax). */
+  toolCalls: ToolCallDelta[];
 }
 
 export interface WarmupRequest {
@@ -381,7 +397,7 @@ export const Session: MessageFns<Session> = {
 };
 
 function createBaseGenerateRequest(): GenerateRequest {
-  return { sessionId: "", messages: [], settings: undefined };
+  return { sessionId: "", messages: [], settings: undefined, tools: [], toolChoice: "", parallelToolCalls: undefined };
 }
 
 export const GenerateRequest: MessageFns<GenerateRequest> = {
@@ -394,6 +410,15 @@ export const GenerateRequest: MessageFns<GenerateRequest> = {
     }
     if (message.settings !== undefined) {
       Settings.encode(message.settings, writer.uint32(26).fork()).join();
+    }
+    for (const v of message.tools) {
+      Tool.encode(v!, writer.uint32(34).fork()).join();
+    }
+    if (message.toolChoice !== "") {
+      writer.uint32(42).string(message.toolChoice);
+    }
+    if (message.parallelToolCalls !== undefined) {
+      writer.uint32(48).bool(message.parallelToolCalls);
     }
     return writer;
   },
@@ -435,6 +460,30 @@ export const GenerateRequest: MessageFns<GenerateRequest> = {
             message.settings = Settings.decode(reader, reader.uint32());
             continue;
           }
+          case 4: {
+            if (tag !== 34) {
+              break;
+            }
+
+            message.tools.push(Tool.decode(reader, reader.uint32()));
+            continue;
+          }
+          case 5: {
+            if (tag !== 42) {
+              break;
+            }
+
+            message.toolChoice = reader.string();
+            continue;
+          }
+          case 6: {
+            if (tag !== 48) {
+              break;
+            }
+
+            message.parallelToolCalls = reader.bool();
+            continue;
+          }
         }
         if ((tag & 7) === 4 || tag === 0) {
           break;
@@ -457,12 +506,23 @@ export const GenerateRequest: MessageFns<GenerateRequest> = {
     message.settings = (object.settings !== undefined && object.settings !== null)
       ? Settings.fromPartial(object.settings)
       : undefined;
+    message.tools = object.tools?.map((e) => Tool.fromPartial(e)) || [];
+    message.toolChoice = object.toolChoice ?? "";
+    message.parallelToolCalls = object.parallelToolCalls ?? undefined;
     return message;
   },
 };
 
 function createBaseGenerateChunk(): GenerateChunk {
-  return { text: "", finishReason: 0, usage: undefined, timings: undefined, servedBy: undefined, logprobs: [] };
+  return {
+    text: "",
+    finishReason: 0,
+    usage: undefined,
+    timings: undefined,
+    servedBy: undefined,
+    logprobs: [],
+    toolCalls: [],
+  };
 }
 
 export const GenerateChunk: MessageFns<GenerateChunk> = {
@@ -484,6 +544,9 @@ export const GenerateChunk: MessageFns<GenerateChunk> = {
     }
     for (const v of message.logprobs) {
       TokenLogprob.encode(v!, writer.uint32(50).fork()).join();
+    }
+    for (const v of message.toolCalls) {
+      ToolCallDelta.encode(v!, writer.uint32(58).fork()).join();
     }
     return writer;
   },
@@ -549,6 +612,14 @@ export const GenerateChunk: MessageFns<GenerateChunk> = {
             message.logprobs.push(TokenLogprob.decode(reader, reader.uint32()));
             continue;
           }
+          case 7: {
+            if (tag !== 58) {
+              break;
+            }
+
+            message.toolCalls.push(ToolCallDelta.decode(reader, reader.uint32()));
+            continue;
+          }
         }
         if ((tag & 7) === 4 || tag === 0) {
           break;
@@ -576,6 +647,7 @@ export const GenerateChunk: MessageFns<GenerateChunk> = {
       ? ServedBy.fromPartial(object.servedBy)
       : undefined;
     message.logprobs = object.logprobs?.map((e) => TokenLogprob.fromPartial(e)) || [];
+    message.toolCalls = object.toolCalls?.map((e) => ToolCallDelta.fromPartial(e)) || [];
     return message;
   },
 };

@@ -1,0 +1,94 @@
+"""The receiving replica's half of ``/v1/responses``: the owner's items as a response or its events.
+
+The owner (``openai_http.HttpModelReplica.OpenAIRespond``) yields a ``start`` item (the
+response in progress and its message item's id), text and call pieces, then a last item
+carrying the finished ``response`` (as stored) and the ``hotloop`` extension. Errors are
+``{"error": ...}`` items, as for chat completions.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi.responses import JSONResponse, Response
+
+from hotloop_serve.errors import HotloopError
+from hotloop_serve.serve import openai_schema as oa
+from hotloop_serve.serve.responses_schema import EventWriter
+
+MAX_LIST = 100
+
+
+def as_error(error: dict[str, Any]) -> HotloopError:
+    e = HotloopError(error["message"], field=error.get("field"))
+    e.code = error["code"]
+    return e
+
+
+def error_json(e: HotloopError) -> tuple[int, dict[str, Any]]:
+    return oa.error_of(e)
+
+
+async def collect_response(items: Any) -> Response:
+    """A non-streaming response: the owner's last item holds it whole."""
+    try:
+        async for item in items:
+            if "error" in item:
+                status, body = error_json(as_error(item["error"]))
+                return JSONResponse(body, status_code=status)
+            if "response" in item:
+                body = dict(item["response"])
+                body["hotloop"] = item["hotloop"]
+                return JSONResponse(body)
+    finally:
+        items.cancel()
+    status, body = oa.error_json("INTERNAL", "the response ended without a result")
+    return JSONResponse(body, status_code=status)
+
+
+def _sse(kind: str, data: dict[str, Any]) -> bytes:
+    return f"event: {kind}\ndata: {json.dumps(data, separators=(',', ':'))}\n\n".encode()
+
+
+async def response_events(first: dict[str, Any], items: Any) -> AsyncIterator[bytes]:
+    """The spec's typed server-sent events, ``response.created`` to ``response.completed``; an
+    error after the stream started is an ``error`` event (the OpenAI SDKs raise it)."""
+    start = first["start"]
+    writer = EventWriter(start["response"], start["message_id"])
+    try:
+        for kind, data in writer.start():
+            yield _sse(kind, data)
+        async for item in items:
+            if "error" in item:
+                e = as_error(item["error"])
+                kind, data = writer.error(e.code, e.message, getattr(e, "field", None))
+                yield _sse(kind, data)
+                return
+            for kind, data in writer.item(item):
+                yield _sse(kind, data)
+            if "response" in item:
+                body = dict(item["response"])
+                body["hotloop"] = item["hotloop"]
+                for kind, data in writer.finish(body):
+                    yield _sse(kind, data)
+                return
+    finally:
+        items.cancel()
+
+
+def item_page(items: list[dict[str, Any]], limit: int, order: str, after: str | None) -> dict[str, Any]:
+    """``GET /v1/responses/{id}/input_items``: a page of a response's input items."""
+    ordered = items if order == "asc" else items[::-1]
+    if after is not None:
+        ids = [i["id"] for i in ordered]
+        ordered = ordered[ids.index(after) + 1 :] if after in ids else []
+    page = ordered[: max(1, min(limit, MAX_LIST))]
+    return {
+        "object": "list",
+        "data": page,
+        "first_id": page[0]["id"] if page else None,
+        "last_id": page[-1]["id"] if page else None,
+        "has_more": len(ordered) > len(page),
+    }
