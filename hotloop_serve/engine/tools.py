@@ -30,6 +30,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
+from hotloop_serve import bounded_json
+from hotloop_serve.errors import InvalidArgument
+
 if TYPE_CHECKING:
     from hotloop_serve.engine.chat_template import ChatMessage
 
@@ -163,9 +166,11 @@ def native_messages(messages: Sequence[ChatMessage]) -> list[dict[str, Any]]:
 
 
 def _loads_or_text(arguments: str) -> Any:
+    """A call's arguments as JSON for the template, else as the text they are (a caller's history
+    may carry anything; nesting is bounded so a template never recurses without end)."""
     try:
-        return json.loads(arguments)
-    except ValueError:
+        return bounded_json.loads(arguments, "tool call arguments")
+    except InvalidArgument:
         return arguments
 
 

@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from typing import Any
 
 from hotloop.v1 import common_pb2 as pb
 from hotloop.v1 import session_pb2 as spb
 
+from hotloop_serve import bounded_json
 from hotloop_serve.engine.chat_template import ChatMessage
+from hotloop_serve.engine.grammar import MAX_SCHEMA_DEPTH
 from hotloop_serve.engine.settings import SamplingSettings
 from hotloop_serve.engine.stream import Chunk, Timings, TokenLogprob, Usage
 from hotloop_serve.engine.tools import ToolCall, ToolChoice, ToolSpec
@@ -71,12 +72,8 @@ def tools_from_proto(request: spb.GenerateRequest) -> tuple[tuple[ToolSpec, ...]
     """A Generate's (tools, tool choice, parallel calls allowed), checked as the HTTP API's are."""
     tools = []
     for i, t in enumerate(request.tools):
-        try:
-            parameters = json.loads(t.parameters) if t.parameters else None
-        except json.JSONDecodeError as e:
-            raise InvalidArgument(
-                f"tools[{i}].parameters is not valid JSON: {e}", field=f"tools[{i}].parameters"
-            ) from e
+        where = f"tools[{i}].parameters"
+        parameters = bounded_json.loads(t.parameters, where, MAX_SCHEMA_DEPTH, where) if t.parameters else None
         if parameters is not None and not isinstance(parameters, dict):
             raise InvalidArgument(f"tools[{i}].parameters must be a JSON object", field=f"tools[{i}].parameters")
         tools.append(tool_spec(t.name, t.description, parameters, f"tools[{i}]"))
