@@ -447,6 +447,15 @@ class Scheduler:
                 still.append(req)
                 continue
             protect = self.running_sessions()
+            if (
+                req.state is RequestState.PREEMPTED
+                and self.running
+                and not self.kv.make_room(len(s.tokens) + len(self.running) + 1, [s, *protect])
+            ):
+                # Resumed into a pool that cannot hold it, its restore would fail and its cache
+                # be rebuilt, pre-empting another: it waits until others' cells are free.
+                still.append(req)
+                continue
             if not self.kv.acquire(s, protect):
                 still.append(req)
                 continue
