@@ -77,10 +77,16 @@ class ToolCallParser:
         return out
 
     def finish(self) -> Parsed:
-        """The end of the reply: text held back is text after all (a call cut short stays cut)."""
+        """The end of the reply: text held back is text after all (a call cut short stays cut).
+
+        A reply cut by a limit right after a call's trigger, before the call's name was whole,
+        ends neither as text (the call syntax must never leak into ``content``) nor as a call
+        (it has no name): it is dropped.
+        """
         out = Parsed()
-        if self._state in (_TEXT, _DEAD) or (self._state == _HEAD and self._buf):
-            out.content, self._buf = self._buf, ""
+        if self._state in (_TEXT, _DEAD):
+            out.content = self._buf
+        self._buf = ""
         return out
 
     # -- one transition; False: wait for more text ------------------------------------------

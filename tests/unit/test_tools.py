@@ -195,6 +195,11 @@ def test_text_without_a_call_passes_through_and_a_cut_call_is_incomplete(fmt: To
     cut = fmt.call_text("get_weather", '{"city": "Pa')[: -len(fmt.close) - 1 or None]
     content, calls, complete, _ = _parse(fmt, cut, 4)
     assert content == "" and not complete and calls[0].arguments.startswith('{"city": "Pa')
+    head = fmt.call_text("get_weather", "{}")
+    for end in range(len(fmt.trigger), len(head) - 4):  # cut by max_tokens inside the call's head
+        content, calls, complete, _ = _parse(fmt, "Sure: " + head[:end], 3)
+        assert fmt.trigger not in content and content.startswith("Sure: "), (end, content)
+        assert not complete
 
 
 def test_the_parser_turns_unexpected_syntax_into_text() -> None:
