@@ -11,6 +11,7 @@ the peer's lives in ``peer.py``.
 from __future__ import annotations
 
 import contextlib
+import http.client
 import os
 import platform
 import secrets
@@ -132,6 +133,26 @@ class Server(Protocol):
 # ---------------------------------------------------------------------------------------
 # Process handling shared by both servers
 # ---------------------------------------------------------------------------------------
+
+
+def wait_http_ready(proc: ManagedProcess, port: int, path: str, name: str) -> None:
+    """Return once ``GET path`` on loopback ``port`` answers 200; raise if ``proc`` exits first or
+    :data:`READY_TIMEOUT_S` passes (the peers' start-up wait, one for every HTTP peer)."""
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if not proc.alive():
+            raise RuntimeError(f"{name} exited early:\n{proc.log_tail()}")
+        try:
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+            conn.request("GET", path)
+            ready = conn.getresponse().status == 200
+            conn.close()
+            if ready:
+                return
+        except OSError:
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(f"{name} not ready after {READY_TIMEOUT_S:.0f} s")
 
 
 def process_tree(pid: int) -> list[psutil.Process]:

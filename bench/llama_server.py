@@ -24,13 +24,12 @@ import subprocess
 import sys
 import tarfile
 import tempfile
-import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import READY_TIMEOUT_S, REQUEST_TIMEOUT_S, Conversation, ManagedProcess, Reply
+from harness import REQUEST_TIMEOUT_S, Conversation, ManagedProcess, Reply, wait_http_ready
 from workload import SessionScript, Turn, WorkloadSpec
 
 from hotloop_serve.serve.probe import free_port
@@ -121,21 +120,7 @@ class LlamaServer:
     def start(self, log_path: Path) -> None:
         env = {**os.environ, "LD_LIBRARY_PATH": str(self.binary.parent)}
         self._proc = ManagedProcess(self.args, log_path, env=env)
-        deadline = time.monotonic() + READY_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if not self._proc.alive():
-                raise RuntimeError(f"llama-server exited early:\n{self._proc.log_tail()}")
-            try:
-                conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=5)
-                conn.request("GET", "/health")
-                if conn.getresponse().status == 200:
-                    conn.close()
-                    return
-                conn.close()
-            except OSError:
-                pass
-            time.sleep(0.5)
-        raise TimeoutError(f"llama-server not ready after {READY_TIMEOUT_S:.0f} s")
+        wait_http_ready(self._proc, self.port, "/health", "llama-server")
 
     def conversation(self, script: SessionScript, spec: WorkloadSpec) -> Conversation:
         return OpenAIConversation(self.port, "/v1/chat/completions", "gemma", script.seed, spec)

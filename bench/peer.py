@@ -42,7 +42,6 @@ import re
 import signal
 import statistics
 import sys
-import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict
 from pathlib import Path
@@ -53,7 +52,6 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import (
     MODEL_NAME,
-    READY_TIMEOUT_S,
     REQUEST_TIMEOUT_S,
     RESULTS,
     STOP_GRACE_S,
@@ -67,6 +65,7 @@ from harness import (
     SystemResult,
     machine_facts,
     run_system,
+    wait_http_ready,
 )
 from llama_server import LlamaServer
 from workload import SessionScript, Turn, Workload, WorkloadSpec, build_workload, describe, merge_system_prompt
@@ -150,21 +149,7 @@ class PeerServer:
 
     def start(self, log_path: Path) -> None:
         self._proc = ManagedProcess(self.args, log_path)
-        deadline = time.monotonic() + READY_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if not self._proc.alive():
-                raise RuntimeError(f"llama_cpp.server exited early:\n{self._proc.log_tail()}")
-            try:
-                conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=5)
-                conn.request("GET", "/v1/models")
-                if conn.getresponse().status == 200:
-                    conn.close()
-                    return
-                conn.close()
-            except OSError:
-                pass
-            time.sleep(0.5)
-        raise TimeoutError(f"llama_cpp.server not ready after {READY_TIMEOUT_S:.0f} s")
+        wait_http_ready(self._proc, self.port, "/v1/models", "llama_cpp.server")
 
     def conversation(self, script: SessionScript, spec: WorkloadSpec) -> Conversation:
         return PeerConversation(self.port, script.seed, spec)
