@@ -31,7 +31,7 @@ import secrets
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -255,30 +255,14 @@ class HttpModelReplica(ModelReplica):
             principal = self._http_principal(request)
             req = oa.parse_request(await self._body(request))
             session, traceparent = request.headers.get(oa.SESSION_HEADER), request.headers.get("traceparent")
-            if req.model == self.model.name:
-                items = await self._dispatch(req, principal, session, traceparent)
-            elif req.model in {m.name for m in self.config.models}:
-                # Another model of this server: its own application plans and routes the turn.
-                other = serve.get_deployment_handle(req.model, req.model)
-                items = other.options(stream=True).OpenAIForward.remote(req, principal, session, traceparent)
-            else:
-                served = ", ".join(m.name for m in self.config.models)
-                raise NotFound(f"model {req.model!r} not found; this server serves: {served}")
-            first = await items.__anext__()
-            if "error" in first:
-                items.cancel()
-                raise _as_error(first["error"])
-        except HotloopError as e:
-            return error_response(e)
-        except BackPressureError:
-            # Every replica that could serve the conversation is full and Ray's queue too.
-            return error_response(
-                ResourceExhausted("every replica of this model is busy and its queue is full; retry later")
-            )
-        except DeploymentUnavailableError:
-            return error_response(Unavailable("no replica of this model is running; retry later"))
+            items, first = await self._open_turn(
+                req.model,
+                functools.partial(self._dispatch, req, principal, session, traceparent),
+                "OpenAIForward",
+                req, principal, session, traceparent,
+            )  # fmt: skip
         except Exception as e:
-            return error_response(e)
+            return failure_response(e)
         cid = f"chatcmpl-{uuid.uuid4().hex}"
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -288,6 +272,26 @@ class HttpModelReplica(ModelReplica):
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
             )
         return await _collect(cid, req.model, first, items)
+
+    async def _open_turn(
+        self, model: str, here: Callable[[], Awaitable[Any]], forward: str, *args: Any
+    ) -> tuple[Any, dict[str, Any]]:
+        """A turn's stream of items and its first item (raised when it is an error): planned here
+        (``here``) for this replica's model, or handed to another model's application (its method
+        ``forward``), which plans and routes it there."""
+        if model == self.model.name:
+            items = await here()
+        elif model in {m.name for m in self.config.models}:
+            other = serve.get_deployment_handle(model, model)
+            items = getattr(other.options(stream=True), forward).remote(*args)
+        else:
+            served = ", ".join(m.name for m in self.config.models)
+            raise NotFound(f"model {model!r} not found; this server serves: {served}")
+        first = await items.__anext__()
+        if "error" in first:
+            items.cancel()
+            raise _as_error(first["error"])
+        return items, first
 
     async def _dispatch(
         self, req: oa.ChatCompletionRequest, principal: str, session: str | None, traceparent: str | None
@@ -331,18 +335,12 @@ class HttpModelReplica(ModelReplica):
             principal = self._http_principal(request)
             req = rs.parse_response_request(await self._body(request))
             session, traceparent = request.headers.get(oa.SESSION_HEADER), request.headers.get("traceparent")
-            if req.model == self.model.name:
-                items = await self._respond(req, principal, session, traceparent)
-            elif req.model in {m.name for m in self.config.models}:
-                other = serve.get_deployment_handle(req.model, req.model)
-                items = other.options(stream=True).OpenAIRespondForward.remote(req, principal, session, traceparent)
-            else:
-                served = ", ".join(m.name for m in self.config.models)
-                raise NotFound(f"model {req.model!r} not found; this server serves: {served}")
-            first = await items.__anext__()
-            if "error" in first:
-                items.cancel()
-                raise _as_error(first["error"])
+            items, first = await self._open_turn(
+                req.model,
+                functools.partial(self._respond, req, principal, session, traceparent),
+                "OpenAIRespondForward",
+                req, principal, session, traceparent,
+            )  # fmt: skip
         except Exception as e:
             return failure_response(e)
         if req.stream:
