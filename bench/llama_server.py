@@ -89,8 +89,11 @@ class LlamaServer:
     - ``--cache-reuse 256``: reuse chunks of a slot's cache shifted by a small edit.
     - ``--cache-ram`` left at its default (8 GiB): conversations that lost their slot are restored
       from host RAM instead of being prefilled again.
-    - ``-t``/``-tb``: every core, as hotloop-serve uses; ``--chat-template gemma`` (the GGUF has none;
-      llama.cpp's built-in Gemma format, as hotloop-serve's).
+    - ``-t``/``-tb``: every core, as hotloop-serve uses; ``--no-jinja --chat-template gemma`` (the
+      GGUF has none; llama.cpp's built-in Gemma format, as hotloop-serve's). ``--no-jinja`` must come
+      first: with Jinja on (llama-server's default) the name ``gemma`` is taken as a template's
+      source and every prompt renders as the word "gemma" (3 tokens), so the peer would answer
+      empty prompts. :meth:`start` checks the rendering before any figure is taken.
     """
 
     def __init__(self, model_path: Path, threads: int, slots: int, per_slot: int = 4096, key: str = "l") -> None:
@@ -101,7 +104,7 @@ class LlamaServer:
         self.args = [
             str(self.binary), "-m", str(model_path), "--host", "127.0.0.1", "--port", str(self.port),
             "-np", str(slots), "-c", str(slots * per_slot), "-t", str(threads), "-tb", str(threads),
-            "--kv-unified", "--swa-full", "--cache-reuse", "256", "--chat-template", "gemma",
+            "--kv-unified", "--swa-full", "--cache-reuse", "256", "--no-jinja", "--chat-template", "gemma",
             "--no-webui", "--metrics",
         ]  # fmt: skip
         self.config: dict[str, Any] = {"command": " ".join(self.args[1:]), "binary": str(self.binary)}
@@ -121,6 +124,21 @@ class LlamaServer:
         env = {**os.environ, "LD_LIBRARY_PATH": str(self.binary.parent)}
         self._proc = ManagedProcess(self.args, log_path, env=env)
         wait_http_ready(self._proc, self.port, "/health", "llama-server")
+        self._check_template()
+
+    def _check_template(self) -> None:
+        """Fail unless the server renders a chat's messages into its prompt (see the class doc)."""
+        probe = "Probe: the quick brown fox."
+        body = {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": probe}]}
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=30)
+        try:
+            conn.request("POST", "/apply-template", body=json.dumps(body), headers={"Content-Type": "application/json"})
+            prompt = json.loads(conn.getresponse().read()).get("prompt", "")
+        finally:
+            conn.close()
+        if probe not in prompt or "Be brief." not in prompt:
+            self.stop()
+            raise RuntimeError(f"llama-server does not render chat messages into its prompt: {prompt[:200]!r}")
 
     def conversation(self, script: SessionScript, spec: WorkloadSpec) -> Conversation:
         return OpenAIConversation(self.port, "/v1/chat/completions", "gemma", script.seed, spec)
