@@ -469,7 +469,30 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="before each system's run, wait up to S seconds for other jobs to go quiet (0: don't)",
     )
     p.add_argument("--tag", default=None, help="output file prefix (default peer, or peer_quick with --quick)")
+    p.add_argument(
+        "--engine",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="an engine option for hotloop-serve's rows (repeatable; the value is JSON, else a string), "
+        "e.g. --engine batch_invariant=false --engine hot_sessions=16",
+    )
+    p.add_argument("--slots", type=int, default=8, help="llama-server's -np (default 8)")
     return p.parse_args(argv)
+
+
+def engine_overrides(items: Sequence[str]) -> dict[str, Any]:
+    """``KEY=VALUE`` pairs as engine options (``true``, ``16``, ``"fair"``...)."""
+    options: dict[str, Any] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise SystemExit(f"--engine {item!r}: expected KEY=VALUE")
+        try:
+            options[key.strip()] = json.loads(value)
+        except json.JSONDecodeError:
+            options[key.strip()] = value
+    return options
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -505,13 +528,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     model_path = Path(assemble())
     machine = machine_facts()
     print(f"machine: {machine}; workload: {describe(workload)}", flush=True)
+    extra = engine_overrides(args.engine)
     factories: dict[str, Callable[[], Server]] = {
         "a": lambda: PeerServer(model_path, args.threads),
-        "b": lambda: HotloopServer("b", 1, args.threads),
-        "c": lambda: HotloopServer("c", 2, args.threads),
-        "s": lambda: HotloopServer("s", 1, args.threads, {"prefill_policy": "shortest_first"}),
-        "l": lambda: LlamaServer(model_path, args.threads, slots=8),
-        "h": lambda: HotloopHttpServer("h", 1, args.threads, PEER_ENGINE),
+        "b": lambda: HotloopServer("b", 1, args.threads, extra or None),
+        "c": lambda: HotloopServer("c", 2, args.threads, extra or None),
+        "s": lambda: HotloopServer("s", 1, args.threads, {"prefill_policy": "shortest_first", **extra}),
+        "l": lambda: LlamaServer(model_path, args.threads, slots=args.slots),
+        "h": lambda: HotloopHttpServer("h", 1, args.threads, {**PEER_ENGINE, **extra}),
     }
     results: list[SystemResult] = []
     for key in systems:  # one server at a time: they would fight over the same cores

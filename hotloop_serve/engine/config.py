@@ -54,6 +54,13 @@ class EngineOptions:
     scripted chats): the new turn then starts in that step instead of a whole step later (on
     two CPU cores a step is 0.2-0.5 s). A session whose client took longer is not waited for
     until it comes back that fast again, so human-paced chats cost nothing. 0 = never wait."""
+    followup_slot_ms: float = 500.0
+    """When a session's reply ends, its running slot stays reserved this long for the session's
+    next turn (other requests wait), if its client came back within this time after its previous
+    reply (agents, tool loops, scripted chats): through a proxy the next turn lands tens to
+    hundreds of milliseconds after the reply, and without the reservation it would queue behind
+    every first turn waiting for a slot although its history is cached. Clients slower than
+    this (people typing) are not waited for. 0 = no reservation."""
     prefill_policy: str = "shortest_first"
     """How prompts share a step's prefill budget. ``shortest_first`` (the default): the prompt
     nearest to done takes all it needs, the next ones what is left (shortest remaining processing
@@ -123,6 +130,7 @@ class EngineOptions:
             "prefill_chunk": 1 <= self.prefill_chunk <= self.batch_tokens,
             "step_target_ms": 0 <= self.step_target_ms <= 60_000,
             "followup_wait_ms": 0 <= self.followup_wait_ms <= 10_000,
+            "followup_slot_ms": 0 <= self.followup_slot_ms <= 60_000,
             "prefill_policy": self.prefill_policy in ("fair", "shortest_first"),
             "shared_prefix_min_tokens": self.shared_prefix_min_tokens >= 1,
             "threads": self.threads >= 0,

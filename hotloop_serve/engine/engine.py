@@ -202,6 +202,7 @@ class Engine:
             session_context=self.session_context,
             step_target_ms=opts.step_target_ms,
             fair_prefill=opts.prefill_policy == "fair",
+            followup_slot_s=opts.followup_slot_ms / 1e3,
         )
 
         self._lock = threading.Lock()

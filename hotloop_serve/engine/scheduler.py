@@ -305,6 +305,7 @@ class Scheduler:
         session_context: int,
         step_target_ms: float = 0.0,
         fair_prefill: bool = True,
+        followup_slot_s: float = 0.0,
     ) -> None:
         self.kv = kv
         self.max_running = max_running
@@ -315,6 +316,10 @@ class Scheduler:
         self.fair_prefill = fair_prefill
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.followup_slot_s = followup_slot_s
+        self.reserved: dict[Session, float] = {}
+        """Sessions whose reply just ended, each holding a running slot until the time given for
+        its next turn (see :meth:`_reserve`)."""
         self.steps = 0
         """Steps run to the end (a step llama.cpp refused does not count)."""
         self.usage = {"turns": 0, "prompt_tokens": 0, "cached_tokens": 0, "restored_tokens": 0}
@@ -425,11 +430,40 @@ class Scheduler:
                     self.kv.discard_saved(req.session)  # its saved KV was pinned for it alone
                 self.finish(req, RequestState.CANCELLED, Cancelled("request cancelled"))
 
+    def _reserve(self, s: Session) -> None:
+        """Keep the slot of ``s``, whose reply just ended, for its next turn a little while.
+
+        A chat client, an agent loop or a script sends the next turn as soon as the reply is
+        read; through a proxy that takes tens to hundreds of milliseconds, and by then a queued
+        request would have taken the slot: the follow-up, whose history is cached and costs a
+        few tokens, would queue behind first turns that cost their whole prompt (issue 38, W2:
+        a follow-up's median wait went from a fraction of a second in-process to ~10 s through
+        HTTP). A client that took longer than ``followup_slot_s`` last time is not waited for (a
+        human typing), so a slot idles at most that long, and only for clients that came back
+        in time before.
+        """
+        if self.followup_slot_s > 0 and (s.return_s is None or s.return_s <= self.followup_slot_s):
+            self.reserved[s] = s.finished_at + self.followup_slot_s
+
+    def _reserved_slots(self, now: float) -> int:
+        """Slots held for expected next turns (expired ones are dropped; a session whose tail
+        is still running holds that request's slot, not a second one)."""
+        held = self.reserved
+        for s in [s for s, until in held.items() if until <= now or s.closed]:
+            del held[s]
+        return sum(1 for s in held if s.request is None)
+
     def admit(self) -> None:
         still: deque[Request] = deque()
+        now = time.perf_counter()
+        kept = self.reserved
+        reserved = self._reserved_slots(now)
+        free_kept = {s for s in kept if s.request is None}  # the slots counted in ``reserved``
         if len(self.waiting) > 1:
-            now = time.perf_counter()
-            self.waiting = deque(sorted(self.waiting, key=lambda r: self.admission_key(r, now)))
+            # A session's next turn takes the slot kept for it first; the rest by admission key.
+            self.waiting = deque(
+                sorted(self.waiting, key=lambda r: (r.session not in kept, self.admission_key(r, now)))
+            )
         while self.waiting:
             req = self.waiting.popleft()
             s = req.session
@@ -443,7 +477,10 @@ class Scheduler:
                 # more) rather than making the new turn wait a whole step behind it.
                 self.finish(held, RequestState.FINISHED)
                 self.running.remove(held)
-            if (s.request is not None and s.request is not req) or len(self.running) >= self.max_running:
+            own = s in free_kept  # this turn may take the slot kept for it
+            if (s.request is not None and s.request is not req) or len(
+                self.running
+            ) + reserved - own >= self.max_running:
                 still.append(req)
                 continue
             protect = self.running_sessions()
@@ -459,14 +496,18 @@ class Scheduler:
             if not self.kv.acquire(s, protect):
                 still.append(req)
                 continue
+            if req.state is not RequestState.PREEMPTED:
+                cached = common_prefix(s.tokens, req.prompt) if s.phase is SessionPhase.HOT else 0
+                if self.running and not self.kv.make_room(len(req.prompt) - cached + 1, [s, *protect]):
+                    still.append(req)
+                    continue
+            if kept.pop(s, None) is not None and own:
+                free_kept.discard(s)
+                reserved -= 1
             if req.state is RequestState.PREEMPTED:
                 self._resume(req)
-                continue
-            cached = common_prefix(s.tokens, req.prompt) if s.phase is SessionPhase.HOT else 0
-            if self.running and not self.kv.make_room(len(req.prompt) - cached + 1, [s, *protect]):
-                still.append(req)
-                continue
-            self._start(req)
+            else:
+                self._start(req)
         self.waiting = still
 
     def _start(self, req: Request) -> None:
@@ -616,6 +657,7 @@ class Scheduler:
         if not req.cancel_requested:  # before the chunk: the client's next request may follow at once
             s.finished_at = time.perf_counter()
             ended.append(s)
+            self._reserve(s)
         req.stream.put(final_chunk(req, reason))
         fits = len(s.tokens) + 1 < self.session_context
         if cache_token is not None and fits and not req.cancel_requested:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import time
 from dataclasses import dataclass, field
 
 import pytest
@@ -366,3 +367,48 @@ def test_ageing_lets_a_long_waiting_first_turn_go_before_newer_cheap_ones() -> N
     busy.cancel_requested = True
     sched.schedule()
     assert sched.running == [cold] and list(sched.waiting) == [cheap]
+
+
+def test_a_finished_reply_keeps_its_slot_for_the_sessions_next_turn_a_while() -> None:
+    """Through a proxy a client's next turn lands a while after its reply; without the kept slot a
+    queued first turn took it and the cached follow-up waited behind every first turn (issue 38)."""
+    mem = FakeMemory()
+    kv = manager(mem, seqs=8, capacity=10_000)
+    sched = make_scheduler(kv, max_running=1)
+    sched.followup_slot_s = 0.5
+    a = session("a")
+    first = submit(sched, a, 10, 0, sample_len=1)
+    first.generated = 1
+    assert run_step(sched, mem, {first: Outcome(5, "x", None)}) == [a]  # reply over; its tail caches next
+    cold = submit(sched, session("cold"), 600, 1)
+    cold.t_submit -= 60.0  # it waited long: by cost and age it would go first
+    run_step(sched, mem, {})  # the tail is cached; the slot stays kept for "a"
+    assert first.state is RequestState.FINISHED and sched.running == [] and list(sched.waiting) == [cold]
+    follow = submit(sched, a, 12, 2)
+    sched.schedule()
+    assert sched.running == [follow] and list(sched.waiting) == [cold] and a not in sched.reserved
+
+
+def test_a_kept_slot_is_released_when_the_next_turn_does_not_come_in_time() -> None:
+    mem = FakeMemory()
+    kv = manager(mem, seqs=8, capacity=10_000)
+    sched = make_scheduler(kv, max_running=1)
+    sched.followup_slot_s = 0.5
+    a = session("a")
+    first = submit(sched, a, 10, 0, sample_len=1)
+    first.generated = 1
+    run_step(sched, mem, {first: Outcome(5, "x", None)})
+    cold = submit(sched, session("cold"), 600, 1)
+    run_step(sched, mem, {})
+    assert sched.running == []
+    sched.reserved[a] = time.perf_counter() - 0.01  # its time ran out
+    sched.schedule()
+    assert sched.running == [cold] and sched.reserved == {}
+    a.return_s = 2.0  # a client that took 2 s last time is not waited for
+    follow = submit(sched, a, 12, 2)
+    cold.cancel_requested = True
+    follow.generated = 1
+    sched.schedule()
+    assert sched.running == [follow]
+    run_step(sched, mem, {follow: Outcome(5, "y", None)})
+    assert a not in sched.reserved
