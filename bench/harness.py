@@ -530,9 +530,14 @@ def wait_until_quiet(server_pid: int, max_wait_s: float, threshold_cores: float 
 def run_session(
     conv: Conversation, script: SessionScript, turns: int, t0: float, records: list[TurnRecord], lock: threading.Lock
 ) -> None:
-    """Play one session's turns back to back, appending each reply to the history."""
+    """Play one session's turns, appending each reply to the history: from its arrival time, each
+    follow-up after its think time (both 0 unless the workload has arrivals and think times)."""
     replies: list[str] = []
+    if script.start_s > 0:
+        time.sleep(max(0.0, t0 + script.start_s - time.perf_counter()))
     for turn in range(1, turns + 1):
+        if turn > 1 and script.think_s and script.think_s[turn - 2] > 0:
+            time.sleep(script.think_s[turn - 2])
         history = script.history(turn, replies)
         rec = TurnRecord(session=script.index, turn=turn, start_s=time.perf_counter() - t0)
         first = last = None
@@ -714,8 +719,10 @@ def summarize(result: SystemResult, spec: WorkloadSpec) -> dict[str, Any]:
         "empty_replies": sum(1 for r in result.turns if r.error is None and r.ttft_s is None),
         "followup_ttft_median_s": percentile(follow, 50),
         "followup_ttft_p90_s": percentile(follow, 90),
+        "followup_ttft_p99_s": percentile(follow, 99),
         "first_ttft_median_s": percentile(first, 50),
         "first_ttft_p90_s": percentile(first, 90),
+        "first_ttft_p99_s": percentile(first, 99),
         "generated_tokens": tokens,
         "aggregate_tok_s": tokens / result.wall_s if result.wall_s > 0 else None,
         "per_session_tok_s_median": statistics.median(per_session) if per_session else None,

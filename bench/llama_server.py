@@ -229,3 +229,115 @@ class OpenAIConversation:
 
     def close(self) -> None:
         pass
+
+
+class RoundRobinProxy:
+    """What an operator without a session-aware router puts in front of two servers: each
+    request to the next backend in turn (an nginx/Envoy ``round_robin`` upstream), the response
+    streamed back as it comes. A session's follow-up therefore lands on the other server half
+    the time, whose slots and prompt cache have never seen its history. Runs in this process."""
+
+    def __init__(self, backends: Sequence[int]) -> None:
+        import itertools
+        import threading
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        turn = itertools.cycle(backends)
+        lock = threading.Lock()
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, format: str, *args: Any) -> None:
+                pass
+
+            def _forward(self, method: str) -> None:
+                with lock:
+                    port = next(turn)
+                length = int(self.headers.get("Content-Length") or 0)
+                body = self.rfile.read(length) if length else None
+                headers = {k: v for k, v in self.headers.items() if k.lower() not in ("host", "connection")}
+                upstream = http.client.HTTPConnection("127.0.0.1", port, timeout=REQUEST_TIMEOUT_S)
+                try:
+                    upstream.request(method, self.path, body=body, headers=headers)
+                    resp = upstream.getresponse()
+                    self.send_response(resp.status)
+                    for k, v in resp.getheaders():
+                        if k.lower() not in ("transfer-encoding", "connection", "content-length"):
+                            self.send_header(k, v)
+                    self.send_header("Connection", "close")
+                    self.end_headers()
+                    while chunk := resp.read1(65536):
+                        self.wfile.write(chunk)
+                        self.wfile.flush()
+                finally:
+                    upstream.close()
+                self.close_connection = True
+
+            def do_GET(self) -> None:
+                self._forward("GET")
+
+            def do_POST(self) -> None:
+                self._forward("POST")
+
+        self.port = free_port()
+        self._server = ThreadingHTTPServer(("127.0.0.1", self.port), Handler)
+        self._server.daemon_threads = True
+        self._thread = threading.Thread(target=self._server.serve_forever, name="round-robin", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+
+
+class LlamaServerPair:
+    """Two ``llama-server`` processes (each half the cores and half the slots, flags as
+    :class:`LlamaServer`) behind a :class:`RoundRobinProxy`: W4's peer. Both run under one shell
+    so the harness measures their memory and CPU as one tree; the proxy's CPU is the client's."""
+
+    def __init__(self, model_path: Path, threads: int, slots: int, per_slot: int = 4096, key: str = "p") -> None:
+        self.key = key
+        self.halves = [LlamaServer(model_path, max(1, threads // 2), max(1, slots // 2), per_slot) for _ in range(2)]
+        self.label = f"2 x llama-server -np {max(1, slots // 2)} -t {max(1, threads // 2)}, round-robin proxy"
+        self.config: dict[str, Any] = {"commands": [h.config["command"] for h in self.halves]}
+        self._proc: ManagedProcess | None = None
+        self._proxy: RoundRobinProxy | None = None
+
+    @property
+    def pid(self) -> int:
+        assert self._proc is not None
+        return self._proc.proc.pid
+
+    @property
+    def process(self) -> ManagedProcess:
+        assert self._proc is not None
+        return self._proc
+
+    def start(self, log_path: Path) -> None:
+        import shlex
+
+        env = {**os.environ, "LD_LIBRARY_PATH": str(self.halves[0].binary.parent)}
+        # Background jobs of a non-interactive shell ignore SIGINT: the trap passes the harness's
+        # stop on as SIGTERM, which llama-server handles like Ctrl-C.
+        a, b = (shlex.join(h.args) for h in self.halves)
+        script = f"{a} & A=$!; {b} & B=$!; trap 'kill -TERM $A $B' INT TERM; wait; wait"
+        self._proc = ManagedProcess(["bash", "-c", script], log_path, env=env)
+        for half in self.halves:
+            half._proc = self._proc  # one process tree; each half's readiness and template checked
+            wait_http_ready(self._proc, half.port, "/health", "llama-server")
+            half._check_template()
+        self._proxy = RoundRobinProxy([h.port for h in self.halves])
+
+    def conversation(self, script: SessionScript, spec: WorkloadSpec) -> Conversation:
+        assert self._proxy is not None
+        return OpenAIConversation(self._proxy.port, "/v1/chat/completions", "gemma", script.seed, spec)
+
+    def stop(self) -> None:
+        if self._proxy is not None:
+            self._proxy.close()
+        if self._proc is not None:
+            self._proc.stop()
+
+    def notes(self) -> dict[str, Any]:
+        return {}

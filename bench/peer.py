@@ -67,7 +67,7 @@ from harness import (
     run_system,
     wait_http_ready,
 )
-from llama_server import LlamaServer
+from llama_server import LlamaServer, LlamaServerPair
 from workload import SessionScript, Turn, Workload, WorkloadSpec, build_workload, describe, merge_system_prompt
 
 from hotloop_serve.serve.probe import free_port
@@ -75,11 +75,25 @@ from hotloop_serve.serve.probe import free_port
 WORKLOADS = {
     "w1": {"sessions": 8, "turns": 4, "sample_len": 48, "first_turn_words": 1370},
     "w2": {"sessions": 32, "turns": 3, "sample_len": 32, "first_turn_words": 500},
+    "w3": {
+        "sessions": 40,
+        "turns": 3,
+        "sample_len": 32,
+        "first_turn_words": 500,
+        "arrival_rate": 0.25,
+        "think_s": 5.0,
+    },
 }
-"""The issue's workloads (first-turn words: about 1.32 Gemma tokens a word, with the system prompt)."""
+"""The issue's workloads (first-turn words: about 1.32 Gemma tokens a word, with the system prompt).
+``w3``: sessions arriving over time (Poisson, one every 4 s on average, about what two cores
+serve), each follow-up after a think time (exponential, mean 5 s), far more sessions than slots."""
 PEER_ENGINE = {"context_tokens": 32768, "session_context_tokens": 4096, "hot_sessions": 8, "resident_sessions": 64}
 """hotloop-serve's engine beside llama-server -np 8 -c 32768: the same pool and running width, and
 idle sessions kept resident in the pool (llama-server keeps each slot's prompt, and the rest in RAM)."""
+
+
+PAIR_ENGINE = {"context_tokens": 16384, "session_context_tokens": 4096, "hot_sessions": 4, "resident_sessions": 32}
+"""Each of W4's two replicas: half of ``PEER_ENGINE``, as each llama-server of the pair gets half."""
 
 
 class HotloopHttpServer(HotloopServer):
@@ -275,27 +289,31 @@ def markdown(results: list[SystemResult], workload: Workload, machine: dict[str,
         f"Workload: {describe(workload)}.",
         f"Machine: {machine['cores']} cores ({machine['cpu']}), {machine['memory_gib']} GiB RAM, {machine['date']}.",
         "",
-        "| system | follow-up TTFT median (s) | follow-up TTFT p90 (s) | first-turn TTFT median (s) "
+        "| system | follow-up TTFT median (s) | follow-up TTFT p90 (s) | follow-up p99 (s) "
+        "| first-turn TTFT median (s) | first-turn p90 / p99 (s) "
         "| aggregate tok/s | per-session tok/s (median) | wall (s) | peak RSS (GiB) | turns ok "
         "| other jobs' CPU (cores) |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in results:
         s = r.summary
         name = f"({r.key}) {r.label}" + (" — ABORTED" if r.aborted else "")
         lines.append(
             f"| {name} | {_fmt(s['followup_ttft_median_s'], 3)} | {_fmt(s['followup_ttft_p90_s'], 3)} "
-            f"| {_fmt(s['first_ttft_median_s'], 3)} | {_fmt(s['aggregate_tok_s'], 1)} "
+            f"| {_fmt(s.get('followup_ttft_p99_s'), 2)} "
+            f"| {_fmt(s['first_ttft_median_s'], 3)} "
+            f"| {_fmt(s.get('first_ttft_p90_s'), 1)} / {_fmt(s.get('first_ttft_p99_s'), 1)} "
+            f"| {_fmt(s['aggregate_tok_s'], 1)} "
             f"| {_fmt(s['per_session_tok_s_median'], 1)} | {_fmt(s['wall_s'], 1)} | {_fmt(s['peak_rss_gib'], 2)} "
             f"| {s['turns_ok']}/{s['turns_expected']} | {_fmt(s.get('other_jobs_cores'))} |"
         )
     by_key = {r.key: r.summary for r in results}
     lines.append("")
-    for ours in ("h", "b"):
-        if "l" in by_key and ours in by_key:
-            peer, x = by_key["l"], by_key[ours]
+    for ours, theirs in (("h", "l"), ("b", "l"), ("d", "p")):
+        if theirs in by_key and ours in by_key:
+            peer, x = by_key[theirs], by_key[ours]
             lines.append(
-                f"- ({ours}) vs (l) llama-server: wall {_ratio(peer['wall_s'], x['wall_s'])} (peer's / ours: > 1x "
+                f"- ({ours}) vs ({theirs}): wall {_ratio(peer['wall_s'], x['wall_s'])} (peer's / ours: > 1x "
                 f"is faster), first-turn TTFT median {_ratio(peer['first_ttft_median_s'], x['first_ttft_median_s'])}, "
                 f"follow-up TTFT median {_ratio(peer['followup_ttft_median_s'], x['followup_ttft_median_s'])}, "
                 f"p90 {_ratio(peer['followup_ttft_p90_s'], x['followup_ttft_p90_s'])} (each: peer's / ours)."
@@ -347,7 +365,7 @@ def decode_context(results: list[SystemResult]) -> int:
     tokens = weighted = 0
     for r in results:
         for t in r.turns:
-            if r.key in ("b", "c", "s", "h") and t.error is None and t.reply.prompt_tokens is not None:
+            if r.key in ("b", "c", "s", "h", "d") and t.error is None and t.reply.prompt_tokens is not None:
                 tokens += t.reply.tokens
                 weighted += t.reply.tokens * (t.reply.prompt_tokens + t.reply.tokens // 2)
     return weighted // tokens if tokens else 0
@@ -383,7 +401,7 @@ def roofline(
     for r in results:
         records = [t for t in r.turns if t.error is None]
         if (
-            r.key not in ("b", "c", "s", "h", "l")
+            r.key not in ("b", "c", "s", "h", "d", "l", "p")
             or not records
             or any(t.reply.prefilled_tokens is None for t in records)
         ):
@@ -455,7 +473,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--systems",
         default="a,b,c",
         help="which of a (peer), b (1 replica), c (2 replicas), s (1 replica, prefill_policy shortest_first), "
-        "l (llama-server -np 8), h (1 replica, OpenAI HTTP); a key may repeat (alternating runs)",
+        "l (llama-server -np 8), h (1 replica, OpenAI HTTP), p (2 llama-servers behind a round-robin proxy), "
+        "d (2 replicas, OpenAI HTTP, session affinity); a key may repeat (alternating runs)",
     )
     p.add_argument("--workload", choices=sorted(WORKLOADS), default=None, help="a preset (overrides the sizes)")
     p.add_argument("--quick", action="store_true", help="tiny workload (2 sessions x 2 turns) for a smoke test")
@@ -504,9 +523,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         # SIG_IGN, is reset to the default in the child; it also makes Ctrl-C work here.
         signal.signal(signal.SIGINT, signal.default_int_handler)
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
-    unknown = set(systems) - {"a", "b", "c", "s", "l", "h"}
+    unknown = set(systems) - {"a", "b", "c", "s", "l", "h", "p", "d"}
     if unknown or not systems:
-        print(f"--systems: unknown {sorted(unknown)}; pick from a,b,c,s,l,h", file=sys.stderr)
+        print(f"--systems: unknown {sorted(unknown)}; pick from a,b,c,s,l,h,p,d", file=sys.stderr)
         return 2
     if args.workload:
         spec = WorkloadSpec(**WORKLOADS[args.workload])
@@ -535,6 +554,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "c": lambda: HotloopServer("c", 2, args.threads, extra or None),
         "s": lambda: HotloopServer("s", 1, args.threads, {"prefill_policy": "shortest_first", **extra}),
         "l": lambda: LlamaServer(model_path, args.threads, slots=args.slots),
+        "p": lambda: LlamaServerPair(model_path, args.threads, slots=args.slots),
+        "d": lambda: HotloopHttpServer("d", 2, args.threads, {**PAIR_ENGINE, **extra}),
         "h": lambda: HotloopHttpServer("h", 1, args.threads, {**PEER_ENGINE, **extra}),
     }
     results: list[SystemResult] = []

@@ -156,6 +156,10 @@ class WorkloadSpec:
     """Sampler settings sent explicitly to every system, so no server default differs."""
     seed: int = 20240611
     """Seed of the text generator and of the per-session sampling seeds."""
+    arrival_rate: float = 0.0
+    """Sessions arriving per second as a Poisson process (0: every session starts at once)."""
+    think_s: float = 0.0
+    """Mean think time before each follow-up, exponentially distributed (0: none)."""
 
 
 @dataclass(frozen=True)
@@ -167,6 +171,10 @@ class SessionScript:
     topic: str
     system_prompt: str
     user_turns: tuple[str, ...]
+    start_s: float = 0.0
+    """When the session's first turn is sent, from the run's start (Poisson arrivals)."""
+    think_s: tuple[float, ...] = ()
+    """Pause before each follow-up (``think_s[i]`` before turn ``i + 2``)."""
 
     def history(self, turn: int, replies: Sequence[str]) -> list[Turn]:
         """The full history to send for ``turn`` (1-based), given the replies received so far.
@@ -233,8 +241,15 @@ def build_workload(spec: WorkloadSpec) -> Workload:
     if spec.sessions < 1 or spec.turns < 1 or spec.sample_len < 1:
         raise ValueError("sessions, turns and sample_len must be >= 1")
     master = random.Random(spec.seed)
+    timing = random.Random(spec.seed ^ 0x5EED)  # its own stream: arrivals never change the texts
     scripts: list[SessionScript] = []
+    start = 0.0
     for i in range(spec.sessions):
+        if spec.arrival_rate > 0 and i > 0:
+            start += timing.expovariate(spec.arrival_rate)
+        thinks = tuple(
+            timing.expovariate(1.0 / spec.think_s) if spec.think_s > 0 else 0.0 for _ in range(spec.turns - 1)
+        )
         rng = random.Random(master.getrandbits(64))
         topic = _TOPICS[i % len(_TOPICS)]
         first = (
@@ -250,6 +265,8 @@ def build_workload(spec: WorkloadSpec) -> Workload:
                 topic=topic,
                 system_prompt=SYSTEM_PROMPT,
                 user_turns=tuple(turns),
+                start_s=start,
+                think_s=thinks,
             )
         )
     return Workload(spec=spec, sessions=tuple(scripts))
@@ -277,6 +294,8 @@ def describe(workload: Workload) -> str:
     return (
         f"{s.sessions} sessions x {s.turns} turns, first message ~{s.first_turn_words} words, "
         f"sample_len {s.sample_len}, temperature {s.temperature} (per-session seeds), seed {s.seed}"
+        + (f", Poisson arrivals {s.arrival_rate:g}/s" if s.arrival_rate > 0 else "")
+        + (f", think time mean {s.think_s:g} s" if s.think_s > 0 else "")
     )
 
 

@@ -287,6 +287,13 @@ class ScheduledBatch:
     prefill_tokens: int
 
 
+KEPT_TURNS_MAX = 4
+"""Turns in a row a session may take through the slot kept for it (``followup_slot_ms``) while
+other requests wait; its next turn then queues like theirs. Keeping a slot makes a conversation's
+follow-ups fast (their history is cached) at the cost of the requests waiting for a slot; an
+agent loop of fifty turns must not hold one for all of them."""
+
+
 class Scheduler:
     """Waiting and running requests of one engine, and the one place a request ends.
 
@@ -442,6 +449,9 @@ class Scheduler:
         human typing), so a slot idles at most that long, and only for clients that came back
         in time before.
         """
+        if s.kept_turns >= KEPT_TURNS_MAX and self.waiting:
+            s.kept_turns = 0  # others waited through its last turns: this one queues like theirs
+            return
         if self.followup_slot_s > 0 and (s.return_s is None or s.return_s <= self.followup_slot_s):
             self.reserved[s] = s.finished_at + self.followup_slot_s
 
@@ -501,9 +511,11 @@ class Scheduler:
                 if self.running and not self.kv.make_room(len(req.prompt) - cached + 1, [s, *protect]):
                     still.append(req)
                     continue
-            if kept.pop(s, None) is not None and own:
-                free_kept.discard(s)
-                reserved -= 1
+            if kept.pop(s, None) is not None:
+                s.kept_turns = s.kept_turns + 1 if still or self.waiting else 0  # others waited for it
+                if own:
+                    free_kept.discard(s)
+                    reserved -= 1
             if req.state is RequestState.PREEMPTED:
                 self._resume(req)
             else:

@@ -40,6 +40,7 @@ class Session:
         "disk",
         "finished_at",
         "id",
+        "kept_turns",
         "last_used",
         "owner",
         "pending",
@@ -80,6 +81,9 @@ class Session:
         self.return_s: float | None = None
         """How long its client took to send the next request after the previous reply ended
         (None: not seen yet): the engine holds a step for the next turn only of quick clients."""
+        self.kept_turns = 0
+        """Turns in a row admitted into a slot kept for it while others waited (the scheduler's
+        starvation bound, ``KEPT_TURNS_MAX``)."""
 
     @property
     def closed(self) -> bool:

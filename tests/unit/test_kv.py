@@ -12,7 +12,7 @@ from hotloop_serve.engine.kv import KVManager, common_prefix
 from hotloop_serve.engine.output import Outcome
 from hotloop_serve.engine.requests import Request, RequestKind, RequestState
 from hotloop_serve.engine.runner import StepOutput
-from hotloop_serve.engine.scheduler import Scheduler
+from hotloop_serve.engine.scheduler import KEPT_TURNS_MAX, Scheduler
 from hotloop_serve.engine.session import KVBytes, Session, SessionPhase
 from hotloop_serve.engine.settings import SamplingSettings
 from hotloop_serve.errors import ResourceExhausted
@@ -412,3 +412,28 @@ def test_a_kept_slot_is_released_when_the_next_turn_does_not_come_in_time() -> N
     assert sched.running == [follow]
     run_step(sched, mem, {follow: Outcome(5, "y", None)})
     assert a not in sched.reserved
+
+
+def test_a_session_keeps_its_slot_for_a_bounded_number_of_turns_while_others_wait() -> None:
+    """An agent loop coming back at once must not hold a slot for all its turns while a first
+    turn waits: after KEPT_TURNS_MAX kept turns its next one queues like the others."""
+    mem = FakeMemory()
+    kv = manager(mem, seqs=8, capacity=100_000)
+    sched = make_scheduler(kv, max_running=1, session_context=100_000)
+    sched.followup_slot_s = 0.5
+    agent = session("agent")
+    req = submit(sched, agent, 10, 0, sample_len=1)
+    cold = submit(sched, session("cold"), 600, 1)
+    for turn in range(1, KEPT_TURNS_MAX + 2):
+        req.generated = 1
+        run_step(sched, mem, {req: Outcome(5, "x", None)})  # its reply ends
+        run_step(sched, mem, {})  # its tail is cached
+        if turn > KEPT_TURNS_MAX:
+            break
+        assert sched.running == [] and list(sched.waiting) == [cold]  # the slot waits for the agent
+        req = submit(sched, agent, len(agent.tokens) + 5, 1 + turn, sample_len=1)
+        sched.schedule()
+        assert sched.running == [req], turn
+    assert agent not in sched.reserved
+    sched.schedule()
+    assert sched.running == [cold]
