@@ -723,6 +723,7 @@ def summarize(result: SystemResult, spec: WorkloadSpec) -> dict[str, Any]:
         "first_ttft_median_s": percentile(first, 50),
         "first_ttft_p90_s": percentile(first, 90),
         "first_ttft_p99_s": percentile(first, 99),
+        "ttft_mean_s": sum(first + follow) / len(first + follow) if first or follow else None,
         "generated_tokens": tokens,
         "aggregate_tok_s": tokens / result.wall_s if result.wall_s > 0 else None,
         "per_session_tok_s_median": statistics.median(per_session) if per_session else None,

@@ -280,8 +280,11 @@ class RoundRobinProxy:
             def do_POST(self) -> None:
                 self._forward("POST")
 
+        class Server(ThreadingHTTPServer):
+            request_queue_size = 256  # the default listen backlog (5) resets a burst of new chats
+
         self.port = free_port()
-        self._server = ThreadingHTTPServer(("127.0.0.1", self.port), Handler)
+        self._server = Server(("127.0.0.1", self.port), Handler)
         self._server.daemon_threads = True
         self._thread = threading.Thread(target=self._server.serve_forever, name="round-robin", daemon=True)
         self._thread.start()
