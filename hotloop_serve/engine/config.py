@@ -88,6 +88,11 @@ class EngineOptions:
     beside others' prompts, and an evicted and restored session continues exactly; from 8
     decoders on, and with a prompt split into other chunks, logits move (by up to ~1) and a
     near-tie can flip. Cost: ~3% single stream, a few ms per step that prefills beside decoders."""
+    flash_attention: bool = True
+    """llama.cpp's flash attention. On by default: its CPU kernel skips masked cells, so a step's
+    attention costs the cells its own sequences use, where the plain path multiplies every cell
+    of the unified pool (the cells of all resident sessions). Off only to compare
+    (bench/replay.py); it is forced on by ``batch_invariant`` and by quantized values."""
     kv_layout: str = "unified"
     """``unified``: one pool of ``context_tokens`` cells shared by all hot sessions (any session may
     grow to ``session_context_tokens``). ``per_session``: each hot session gets its own stream of

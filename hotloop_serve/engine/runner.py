@@ -213,8 +213,10 @@ def _create_context(model: Model, opts: EngineOptions) -> ll.llama_context_p:
     params.type_k = _GGML_TYPES[opts.kv_type_k]
     params.type_v = _GGML_TYPES[opts.kv_type_v]
     params.no_perf = True
-    if opts.batch_invariant or opts.kv_type_v != "f16":
+    if opts.flash_attention or opts.batch_invariant or opts.kv_type_v != "f16":
         params.flash_attn_type = ll.LLAMA_FLASH_ATTN_TYPE_ENABLED
+    else:
+        params.flash_attn_type = ll.LLAMA_FLASH_ATTN_TYPE_DISABLED
     ctx = ll.llama_init_from_model(model.ptr, params)
     if not ctx:
         raise InternalError(f"llama.cpp could not create a context of {opts.context_tokens} tokens")
