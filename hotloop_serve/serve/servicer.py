@@ -419,8 +419,7 @@ class ModelServicer:
         except (GeneratorExit, asyncio.CancelledError):
             raise
         except Exception as e:
-            set_status(grpc_context, e)
-            raise  # a stream's status reaches the proxy with an exception (see Generate)
+            _stream_failed(grpc_context, e)
 
     @unary(spb.Session)
     async def ImportSession(self, request: spb.ImportSessionRequest, principal: str, span: RpcSpan) -> spb.Session:
@@ -558,8 +557,7 @@ class ModelServicer:
             error = ResourceExhausted(
                 f"this replica serves at most {HEALTH_WATCHES} health Watch streams at once; poll Check instead"
             )
-            set_status(grpc_context, error)
-            raise error  # a stream's status reaches the proxy with an exception (see Generate)
+            _stream_failed(grpc_context, error)
         self._watches += 1
         try:
             last = None
