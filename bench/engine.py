@@ -589,7 +589,7 @@ def telemetry_overhead(path: Path, tokens: int, threads: int) -> tuple[float, fl
             async def run(svc: ModelServicer = svc) -> float:
                 principal = svc.auth.principal([], None)
                 create = session_pb2.CreateSessionRequest(session_key=f"bench-{time.time_ns()}")
-                sess = await svc.CreateSessionFor(create, principal)
+                sess = await svc.create_session_here(create, principal)
                 msgs = [common_pb2.Message(role=common_pb2.ROLE_USER, content="Write a long story about the sea.")]
                 settings = common_pb2.Settings(temperature=0, sample_len=tokens)
                 req = session_pb2.GenerateRequest(session_id=sess.id, messages=msgs, settings=settings)

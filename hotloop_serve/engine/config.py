@@ -52,7 +52,7 @@ class EngineOptions:
     long (and at most a quarter of a measured decoding step) for that session's next turn, if
     its client came back within that time after its previous reply (agent loops, tool calls,
     scripted chats): the new turn then starts in that step instead of a whole step later (on
-    two CPU cores a step is 0.2-0.5 s). A session whose client took longer is not waited for
+    CPU a step is long). A session whose client took longer is not waited for
     until it comes back that fast again, so human-paced chats cost nothing. 0 = never wait."""
     followup_slot_ms: float = 500.0
     """When a session's reply ends, its running slot stays reserved this long for the session's
@@ -87,7 +87,8 @@ class EngineOptions:
     ``invariance.py``): with up to 7 such rows a step, a greedy reply is the same alone and
     beside others' prompts, and an evicted and restored session continues exactly; from 8
     decoders on, and with a prompt split into other chunks, logits move (by up to ~1) and a
-    near-tie can flip. Cost: ~3% single stream, a few ms per step that prefills beside decoders."""
+    near-tie can flip. It costs some single-stream speed and a ``llama_decode`` more per step
+    that prefills beside decoders (``bench/invariance.py`` and ``bench/engine.py`` measure it)."""
     flash_attention: bool = True
     """llama.cpp's flash attention. On by default: its CPU kernel skips masked cells, so a step's
     attention costs the cells its own sequences use, where the plain path multiplies every cell

@@ -5,9 +5,8 @@ Why not ``os.cpu_count()`` or the CPU affinity alone: in a container with a CPU 
 the node, but the kernel lets it run only ``quota / period`` cores' worth per period (CFS
 bandwidth control). llama.cpp's threads wait for each other at every graph node, so with more
 threads than the quota they spend the quota early in each period and then all stall until the
-next one. Measured on a 2-core VM under a 1-core quota (``bench/threads.py``): 2 threads decode
-~15% slower at 1 session and ~11% slower at 8 than 1 thread; on a 64-core node under a 2-core
-limit it would be 64 threads in 2 cores' worth of time.
+next one: under a 1-core quota, 2 threads decode slower than 1 (``bench/threads.py`` measures
+it), and on a 64-core node under a 2-core limit it would be 64 threads in 2 cores' worth of time.
 
 The engine knows nothing of Ray or Kubernetes: it reads the kernel's view (affinity and the
 cgroup's quota, v1 or v2), the same one every container runtime sets.

@@ -52,6 +52,7 @@ from hotloop_serve.engine.kv_state import check_state
 from hotloop_serve.engine.model import Model
 from hotloop_serve.engine.output import OutputProcessor
 from hotloop_serve.engine.persist import BlobKeys, DiskStore, SessionBlob, model_fingerprint, to_kv_bytes
+from hotloop_serve.engine.prompt_fit import fit_prompt
 from hotloop_serve.engine.prompt_tokens import PromptTokenizer
 from hotloop_serve.engine.requests import Request, RequestKind, RequestState
 from hotloop_serve.engine.runner import ModelRunner
@@ -504,10 +505,17 @@ class Engine:
         prompt = self.render(
             messages, add_generation_prompt=kind is RequestKind.GENERATE, session=session_id, tools=tools
         )
-        prompt = self._fit(prompt, messages, settings, kind, tools)
+        generate = kind is RequestKind.GENERATE
+        prompt = fit_prompt(
+            prompt,
+            messages,
+            settings,
+            self.session_context,
+            generate,
+            lambda kept: self.render(kept, add_generation_prompt=generate, tools=tools),
+        )
         # Built here, not under the lock: a grammar sampler's build is llama.cpp parsing the
         # grammar, and the scheduler thread must never wait on it.
-        generate = kind is RequestKind.GENERATE
         sampler = Sampler(settings, self.model.n_vocab, self._rng, self.model.vocab) if generate else None
         try:
             with self._lock:
@@ -540,55 +548,6 @@ class Engine:
                 sampler.free()
             raise
         return req.stream
-
-    def _fit(
-        self,
-        prompt: list[int],
-        messages: Sequence[ChatMessage],
-        settings: SamplingSettings,
-        kind: RequestKind,
-        tools: Sequence[ToolSpec] = (),
-    ) -> list[int]:
-        """Check the prompt fits the session's window; drop the oldest turns if the settings allow it.
-
-        Truncation binary-searches how many turns to drop: O(log n) renders of the history,
-        not one per dropped turn.
-        """
-        generate = kind is RequestKind.GENERATE
-        limit = self.session_context - (1 if generate else 0)
-        if len(prompt) <= limit:
-            return prompt
-        if not settings.truncate_history:
-            raise OutOfRange(
-                f"history is {len(prompt)} tokens but a session holds at most {self.session_context} "
-                f"(prompt + reply); shorten the history or set truncate_history"
-            )
-        msgs = list(messages)
-        keep_system = 1 if msgs and msgs[0].role == "system" else 0
-        headroom = min(settings.sample_len, self.session_context // 4)
-
-        def render_dropping(k: int) -> list[int]:
-            kept = [*msgs[:keep_system], *msgs[keep_system + k :]]
-            return self.render(kept, add_generation_prompt=generate, tools=tools)
-
-        lo, hi = 1, len(msgs) - keep_system - 1  # drop at least one turn, keep the last message
-        best: list[int] | None = None
-        while lo <= hi:
-            mid = (lo + hi) // 2
-            candidate = render_dropping(mid)
-            if len(candidate) + headroom <= self.session_context:
-                best, hi = candidate, mid - 1
-            else:
-                lo = mid + 1
-        if best is not None:
-            return best
-        last = render_dropping(max(len(msgs) - keep_system - 1, 0))
-        if len(last) <= limit:
-            return last
-        raise OutOfRange(
-            f"the last message alone renders to {len(last)} tokens, over the session window of "
-            f"{self.session_context}; shorten it"
-        )
 
     @staticmethod
     def _info(s: Session) -> SessionInfo:

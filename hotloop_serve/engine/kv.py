@@ -92,7 +92,7 @@ class LlamaKVMemory:
         """Learn the layout of a sequence's saved state and size sliding-window cells (see
         :meth:`_learn_layout`, :meth:`_calibrate`). Call it on the thread that runs every
         other decode: once a thread has run llama.cpp's CPU kernels, its idle OpenMP team slows
-        decodes from any other thread by about a third (measured here: 47 -> 29 tok/s)."""
+        decodes from any other thread."""
         try:
             if self._partial_ok and self.layout is None:
                 self._learn_layout(self._probe_token)
@@ -194,8 +194,8 @@ position (measured: 754 cached tokens restore with exactly 512 window cells). Co
 the full length works; cutting even one token then lacks a window cell, and the whole cache
 is rebuilt. A follow-up often cuts one or two: the previous reply's last tokens re-render
 differently in the next history. Saving without the last 4 tokens lets such a follow-up
-continue from the restored cache; each restore then prefills 4 more tokens (about 20 ms on
-one CPU core; 16 cost a moved follow-up 1.7x a hot one instead of ~1.3x)."""
+continue from the restored cache. The margin is small because each restore prefills it again:
+a larger one made a restored follow-up markedly slower than a hot one (``bench/sessions.py``)."""
 
 
 class KVManager:

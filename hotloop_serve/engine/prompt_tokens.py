@@ -1,8 +1,8 @@
 """A conversation's next prompt in tokens, without tokenizing its whole history again.
 
 Why: every turn carries the whole history, and tokenizing it is on the turn's critical path:
-~4 ms for ~1,000 tokens on an idle core, 8-16 ms beside an engine that keeps both cores busy,
-and it grows with the conversation (``bench/prompt_tokens.py`` measures it). A
+it takes longer beside an engine that keeps the cores busy, and it grows with the
+conversation (``bench/prompt_tokens.py`` measures it). A
 follow-up's rendered prompt starts with the previous turn's, whose tokens are kept here: only
 the text after the last special token they share is tokenized.
 
@@ -43,8 +43,8 @@ def _overlaps_itself(text: str) -> bool:
 
 
 class _Specials:
-    """The vocabulary's special tokens as llama.cpp's tokenizer sees them (built once: 0.11 s for
-    Gemma 3's 262,144 tokens)."""
+    """The vocabulary's special tokens as llama.cpp's tokenizer sees them (built once: it walks
+    the whole vocabulary)."""
 
     def __init__(self, model: Model) -> None:
         self.text: dict[int, str] = {}
@@ -94,7 +94,7 @@ class PromptTokenizer:
         self._max_tokens = max_tokens
         self._enabled = ll.llama_vocab_type(model.vocab) in (ll.LLAMA_VOCAB_TYPE_SPM, ll.LLAMA_VOCAB_TYPE_BPE)
         # Built here, not on first use: a burst of follow-ups would each build it on a busy core
-        # (measured: the first turn after a burst started ~0.7 s late).
+        # (the first turn after a burst then started late).
         self._specials = _Specials(model) if self._enabled else None
         self._lock = threading.Lock()
         self._last: OrderedDict[str, tuple[str, array[int]]] = OrderedDict()

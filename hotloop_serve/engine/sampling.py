@@ -64,14 +64,13 @@ def decisive_k(settings: SamplingSettings) -> int:
     """How many of the highest logits decide the draw exactly (0: all of them can).
 
     ``llama_sampler_sample`` copies the whole vocabulary (262,144 candidates for Gemma) into a
-    candidate array before the chain runs: 0.28 ms a row on this project's 2-core machine,
-    more than the rest of a token's Python work, and it holds a core while the batch's other
-    rows wait. But a chain that begins with a top-k cut (greedy is top-1; the penalties'
-    prefilter, :func:`prefilter_k`, is one) sees only the top ``k`` candidates whatever else
-    the array holds, so the chain given every candidate above a threshold that keeps at least
-    ``k`` of them draws the same token, from the same RNG state. Without such a cut (top_k 0,
-    or a penalty < 1 that can lift any token into the top) top-p and the draw's softmax need
-    the whole tail: 0.
+    candidate array before the chain runs: more than the rest of a token's Python work, and it
+    holds a core while the batch's other rows wait. But a chain that begins with a top-k cut
+    (greedy is top-1; the penalties' prefilter, :func:`prefilter_k`, is one) sees only the top
+    ``k`` candidates whatever else the array holds, so the chain given every candidate above a
+    threshold that keeps at least ``k`` of them draws the same token, from the same RNG state.
+    Without such a cut (top_k 0, or a penalty < 1 that can lift any token into the top) top-p
+    and the draw's softmax need the whole tail: 0.
     """
     k = 1 if settings.greedy else settings.top_k
     if k <= 0:

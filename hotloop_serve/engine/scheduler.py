@@ -110,7 +110,8 @@ class PrefillPacer:
         return new if old is None else old + self.WEIGHT * (new - old)
 
     DEFAULT_PREFILL_RATE = 500.0
-    """Prompt tokens a second, until measured (two CPU cores do several hundred for a 270M model)."""
+    """Prompt tokens a second, until measured: the order of a small model on a few CPU cores (the
+    first measured step replaces it)."""
 
     def prefill_rate(self) -> float:
         """Prompt tokens a second, as measured (the admission order's ageing rate)."""

@@ -19,7 +19,7 @@ from ray.serve.deployment import Application
 
 from hotloop_serve.config import Config, ModelConfig, config_from_dict
 from hotloop_serve.serve.auth import describe_tokens, export_secrets, load_tokens
-from hotloop_serve.serve.openai_http import HttpModelDeployment
+from hotloop_serve.serve.deployment import ModelDeployment
 from hotloop_serve.serve.servicer import HEALTH_WATCHES
 
 GRPC_SERVICER_FUNCTIONS = [
@@ -151,7 +151,7 @@ def deployment_options(model: ModelConfig) -> dict[str, Any]:
 
 def model_app(config: Config, model: ModelConfig, secret: str) -> Application:
     options = deployment_options(model)
-    return HttpModelDeployment.options(**options).bind(config.model_dump(mode="json"), model.name, secret)
+    return ModelDeployment.options(**options).bind(config.model_dump(mode="json"), model.name, secret)
 
 
 def build_app(args: dict[str, Any]) -> Application:

@@ -1,8 +1,9 @@
 """OpenAI-compatible HTTP API on Ray Serve's HTTP proxy (FastAPI), served by the model's replicas.
 
-(No ``from __future__ import annotations`` here: FastAPI reads the route methods' annotations
-through Ray's class-based view, where a string ``Request`` would not resolve; and every helper
-the routes call is defined above the class, which Ray ships by value.)
+:class:`OpenAIApi` is an adapter over a replica's servicer core (``servicer.ModelServicer``:
+the same engine, ids, authentication, limits and telemetry as the gRPC API). The routes are
+declared on ``api`` by the Ray deployment (``deployment.ModelReplica``), which hands each to
+this adapter.
 
 Each model's application answers, under its route prefix ``/<model>``:
 
@@ -24,6 +25,7 @@ explains the mapping and the isolation between principals.
 """
 
 import asyncio
+import contextlib
 import functools
 import json
 import logging
@@ -31,7 +33,7 @@ import secrets
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -43,15 +45,15 @@ from hotloop_serve.engine.chat_template import ChatMessage
 from hotloop_serve.engine.settings import SamplingSettings
 from hotloop_serve.engine.stream import RequestStream
 from hotloop_serve.engine.tools import ToolSpec
-from hotloop_serve.errors import HotloopError, NotFound, ResourceExhausted, Unavailable
+from hotloop_serve.errors import HotloopError, InternalError, NotFound, ResourceExhausted, Unavailable
 from hotloop_serve.serve import openai_schema as oa
 from hotloop_serve.serve import responses_schema as rs
-from hotloop_serve.serve.deployment import ModelReplica
 from hotloop_serve.serve.openai_tools import ReplyCalls, chat_tools, constrain
 from hotloop_serve.serve.responses_disk import ResponseDisk
 from hotloop_serve.serve.responses_http import collect_response, item_page, response_events
 from hotloop_serve.serve.responses_store import ResponseStore, StoredResponse
-from hotloop_serve.serve.servicer import _submit
+from hotloop_serve.serve.servicer import ModelServicer
+from hotloop_serve.serve.turns import Turn, guarded, submit
 
 log = logging.getLogger("ray.serve")
 
@@ -106,10 +108,14 @@ def _sse(data: dict[str, Any] | str) -> bytes:
     return f"data: {data if isinstance(data, str) else json.dumps(data, separators=(',', ':'))}\n\n".encode()
 
 
-def _as_error(error: dict[str, Any]) -> HotloopError:
-    e = HotloopError(error["message"], field=error.get("field"))
-    e.code = error["code"]
-    return e
+def failed_item(e: Exception) -> HotloopError:
+    """How the owner reports a failed turn to the receiving replica (``turns.guarded``): the
+    error itself, as the stream's item (an item, not an exception: Ray would wrap an exception
+    in its own); a bug is logged here and travels as INTERNAL without its details."""
+    if isinstance(e, HotloopError):
+        return e
+    log.exception("unexpected error serving an OpenAI API turn", exc_info=e)
+    return InternalError(f"internal error ({type(e).__name__})")
 
 
 def _join_calls(calls: list[dict[str, Any]], pieces: list[dict[str, Any]]) -> None:
@@ -140,8 +146,8 @@ async def _collect(cid: str, model: str, first: dict[str, Any], items: Any) -> R
     item = first
     try:
         while True:
-            if "error" in item:
-                return error_response(_as_error(item["error"]))
+            if isinstance(item, HotloopError):
+                return error_response(item)
             text.append(item["text"])
             if "tool_calls" in item:
                 _join_calls(calls, item["tool_calls"])
@@ -170,8 +176,8 @@ async def _events(cid: str, model: str, first: dict[str, Any], items: Any, inclu
         yield _sse(oa.chunk_json(cid, model, created, {"role": "assistant", "content": ""}))
         item = first
         while True:
-            if "error" in item:
-                _, body = oa.error_of(_as_error(item["error"]))
+            if isinstance(item, HotloopError):
+                _, body = oa.error_of(item)
                 yield _sse(body)
                 return
             lp = item.get("logprobs")
@@ -195,12 +201,19 @@ async def _events(cid: str, model: str, first: dict[str, Any], items: Any, inclu
         items.cancel()
 
 
-@serve.ingress(api)
-class HttpModelReplica(ModelReplica):
-    """A model replica that also answers the OpenAI-compatible HTTP API (see the module docstring)."""
+class OpenAIApi:
+    """The OpenAI-compatible HTTP API of one replica, over its servicer ``core`` (see the module
+    docstring). ``app`` and ``deployment`` name the model's Ray deployment: a turn is handed to
+    its conversation's owner through its handle. The receiving half authenticates and parses;
+    the owner's half (``OpenAIChat``, ``OpenAIRespond``, ``OpenAIStored``) holds the HTTP
+    sessions and the stored responses."""
 
-    def __init__(self, config: dict[str, Any], model: str, session_secret: str) -> None:
-        super().__init__(config, model, session_secret)
+    def __init__(self, core: ModelServicer, app: str, deployment: str) -> None:
+        self.core = core
+        self.config, self.model, self.engine = core.config, core.model, core.engine
+        self.ids, self.auth, self.telemetry = core.ids, core.auth, core.telemetry
+        self.served_by = core.served_by  # the core's own: a rank Ray reassigns shows in both
+        self._app, self._deployment = app, deployment
         self._http_busy: set[str] = set()
         self._http_lru: OrderedDict[str, str] = OrderedDict()  # session id -> principal, oldest first
         limits = self.model.limits
@@ -231,7 +244,6 @@ class HttpModelReplica(ModelReplica):
     def _model_json(self, name: str) -> dict[str, Any]:
         return {"id": name, "object": "model", "created": 0, "owned_by": "hotloop-serve"}
 
-    @api.get("/v1/models")
     async def list_models(self, request: Request) -> Response:
         try:
             self._http_principal(request)
@@ -239,7 +251,6 @@ class HttpModelReplica(ModelReplica):
             return error_response(e)
         return JSONResponse({"object": "list", "data": [self._model_json(m.name) for m in self.config.models]})
 
-    @api.get("/v1/models/{name}")
     async def get_model(self, name: str, request: Request) -> Response:
         try:
             self._http_principal(request)
@@ -249,7 +260,6 @@ class HttpModelReplica(ModelReplica):
             return error_response(e)
         return JSONResponse(self._model_json(name))
 
-    @api.post("/v1/chat/completions")
     async def chat_completions(self, request: Request) -> Response:
         try:
             principal = self._http_principal(request)
@@ -288,9 +298,9 @@ class HttpModelReplica(ModelReplica):
             served = ", ".join(m.name for m in self.config.models)
             raise NotFound(f"model {model!r} not found; this server serves: {served}")
         first = await items.__anext__()
-        if "error" in first:
+        if isinstance(first, HotloopError):
             items.cancel()
-            raise _as_error(first["error"])
+            raise first
         return items, first
 
     async def _dispatch(
@@ -315,7 +325,7 @@ class HttpModelReplica(ModelReplica):
 
     async def OpenAIForward(
         self, req: oa.ChatCompletionRequest, principal: str, session: str | None, traceparent: str | None
-    ) -> AsyncIterator[dict[str, Any]]:
+    ) -> AsyncIterator[dict[str, Any] | HotloopError]:
         """A turn for this model received by another model's endpoint (already authenticated)."""
         items = None
         try:
@@ -323,13 +333,12 @@ class HttpModelReplica(ModelReplica):
             async for item in items:
                 yield item
         except HotloopError as e:
-            yield {"error": {"code": e.code, "message": e.message, "field": getattr(e, "field", None)}}
+            yield e
         finally:
             if items is not None:
                 items.cancel()
 
     # -- the Responses API, receiving side ------------------------------------------------
-    @api.post("/v1/responses")
     async def create_response(self, request: Request) -> Response:
         try:
             principal = self._http_principal(request)
@@ -388,7 +397,7 @@ class HttpModelReplica(ModelReplica):
 
     async def OpenAIRespondForward(
         self, req: rs.ResponseRequest, principal: str, session: str | None, traceparent: str | None
-    ) -> AsyncIterator[dict[str, Any]]:
+    ) -> AsyncIterator[dict[str, Any] | HotloopError]:
         """A response for this model received by another model's endpoint (already authenticated)."""
         items = None
         try:
@@ -396,20 +405,17 @@ class HttpModelReplica(ModelReplica):
             async for item in items:
                 yield item
         except HotloopError as e:
-            yield {"error": {"code": e.code, "message": e.message, "field": getattr(e, "field", None)}}
+            yield e
         finally:
             if items is not None:
                 items.cancel()
 
-    @api.get("/v1/responses/{response_id}")
     async def get_response(self, response_id: str, request: Request) -> Response:
         return await self._stored(request, response_id, "get", {})
 
-    @api.delete("/v1/responses/{response_id}")
     async def delete_response(self, response_id: str, request: Request) -> Response:
         return await self._stored(request, response_id, "delete", {})
 
-    @api.get("/v1/responses/{response_id}/input_items")
     async def response_input_items(self, response_id: str, request: Request) -> Response:
         q = request.query_params
         limit = q.get("limit", "20")
@@ -427,11 +433,11 @@ class HttpModelReplica(ModelReplica):
             key = rs.key_of(response_id)
             handle = serve.get_deployment_handle(self._deployment, self._app)
             result = await handle.options(session_id=key).OpenAIStored.remote(principal, response_id, op, params)
-            if "error" in result:
-                raise _as_error(result["error"])
+            if isinstance(result, HotloopError):
+                raise result
         except Exception as e:
             return failure_response(e)
-        return JSONResponse(result["body"])
+        return JSONResponse(result)
 
     # -- the conversation's owner ---------------------------------------------------------
     def _pick_session(self, key: str, principal: str) -> str:
@@ -463,13 +469,13 @@ class HttpModelReplica(ModelReplica):
         settings: SamplingSettings,
         tools: tuple[ToolSpec, ...],
     ) -> RequestStream:
-        submit = functools.partial(self.engine.generate, sid, principal, messages, settings, tools)
+        start = functools.partial(self.engine.generate, sid, principal, messages, settings, tools)
         try:
-            return await _submit(submit)
+            return await submit(start)
         except ResourceExhausted:
             if self.engine.known(sid) or not await self._evict_idle_session(principal):
                 raise
-            return await _submit(submit)
+            return await submit(start)
 
     def _use_session(self, sid: str, principal: str) -> None:
         """Mark a session busy and most recently used (its principal's idle ones go first)."""
@@ -479,11 +485,16 @@ class HttpModelReplica(ModelReplica):
         while len(self._http_lru) > self.engine.options.max_sessions:  # forget the oldest
             self._http_lru.popitem(last=False)
 
-    async def OpenAIChat(self, call: oa.ChatCall) -> AsyncIterator[dict[str, Any]]:
+    async def OpenAIChat(self, call: oa.ChatCall) -> AsyncIterator[dict[str, Any] | HotloopError]:
         """Serve one chat turn here (the key's owner, or its next-ranked replica when the owner is
         full). Yields ``{"text", "logprobs"}`` items, then one with ``finish_reason`` and ``usage``;
-        an error is an ``{"error": ...}`` item (before anything else), never an exception."""
-        stream: RequestStream | None = None
+        an error is the last item (:func:`failed_item`, before anything else), never an exception."""
+        turn = Turn()
+        async with contextlib.aclosing(guarded(self._chat(call, turn), turn, failed_item)) as items:
+            async for item in items:
+                yield item
+
+    async def _chat(self, call: oa.ChatCall, turn: Turn) -> AsyncGenerator[dict[str, Any], None]:
         sid: str | None = None
         try:
             with self.telemetry.rpc("ChatCompletions", _TraceContext(call.traceparent)) as span:
@@ -491,7 +502,7 @@ class HttpModelReplica(ModelReplica):
                 self._use_session(sid, call.principal)
                 span.set_attribute("hotloop.session_id", sid)
                 t0 = time.perf_counter()
-                stream = await self._start(sid, call.principal, call.messages, call.settings, call.tools)
+                turn.stream = stream = await self._start(sid, call.principal, call.messages, call.settings, call.tools)
                 fmt = self.engine.template.tool_format
                 calls = ReplyCalls(fmt, call.tools, call.tool_choice) if call.tool_choice and fmt else None
                 first = True
@@ -519,24 +530,15 @@ class HttpModelReplica(ModelReplica):
                         }
                         item["hotloop"] = oa.hotloop_json(chunk, self.served_by)
                     yield item
-        except (GeneratorExit, asyncio.CancelledError):
-            if stream is not None:
-                stream.cancel()
-            raise
-        except Exception as e:
-            if stream is not None:
-                stream.cancel()
-            if isinstance(e, HotloopError):
-                yield {"error": {"code": e.code, "message": e.message, "field": getattr(e, "field", None)}}
-            else:
-                log.exception("unexpected error serving a chat completion", exc_info=e)
-                yield {"error": {"code": "INTERNAL", "message": f"internal error ({type(e).__name__})"}}
         finally:
             if sid is not None:
                 self._http_busy.discard(sid)
 
-    async def OpenAIStored(self, principal: str, response_id: str, op: str, params: dict[str, Any]) -> dict[str, Any]:
-        """GET (``get``, ``input_items``) or DELETE a stored response held here: ``{"body"}`` or ``{"error"}``."""
+    async def OpenAIStored(
+        self, principal: str, response_id: str, op: str, params: dict[str, Any]
+    ) -> dict[str, Any] | HotloopError:
+        """GET (``get``, ``input_items``) or DELETE a stored response held here: the body to send,
+        or the error (returned, not raised: Ray would wrap it in its own)."""
         try:
             rec = await self._find_response(response_id, principal)
             if op == "delete":
@@ -547,12 +549,12 @@ class HttpModelReplica(ModelReplica):
                     self._http_lru.pop(session, None)
                     if self.engine.known(session):
                         await asyncio.to_thread(self.engine.close_session, session, principal)
-                return {"body": {"id": response_id, "object": "response", "deleted": True}}
+                return {"id": response_id, "object": "response", "deleted": True}
             if op == "input_items":
-                return {"body": item_page(rec.input_items, params["limit"], params["order"], params["after"])}
-            return {"body": rec.body}
+                return item_page(rec.input_items, params["limit"], params["order"], params["after"])
+            return rec.body
         except HotloopError as e:
-            return {"error": {"code": e.code, "message": e.message, "field": getattr(e, "field", None)}}
+            return e
 
     async def _find_response(self, response_id: str, principal: str) -> StoredResponse:
         """A stored response of ``principal``: held here, or (after a restart or a fleet change)
@@ -589,11 +591,16 @@ class HttpModelReplica(ModelReplica):
                 log.info("responses: could not fork %s (%s); rebuilding from the history", prev.session, e.message)
         return sid
 
-    async def OpenAIRespond(self, call: rs.RespondCall) -> AsyncIterator[dict[str, Any]]:
+    async def OpenAIRespond(self, call: rs.RespondCall) -> AsyncIterator[dict[str, Any] | HotloopError]:
         """Serve one response here (its conversation's owner). Yields a ``start`` item, text and
         call pieces, then an item with the finished ``response`` (stored when asked); an error is
-        an ``{"error": ...}`` item before anything else, never an exception."""
-        stream: RequestStream | None = None
+        the last item (:func:`failed_item`, before anything else), never an exception."""
+        turn = Turn()
+        async with contextlib.aclosing(guarded(self._respond_here(call, turn), turn, failed_item)) as items:
+            async for item in items:
+                yield item
+
+    async def _respond_here(self, call: rs.RespondCall, turn: Turn) -> AsyncGenerator[dict[str, Any], None]:
         sid: str | None = None
         req = call.request
         try:
@@ -610,7 +617,9 @@ class HttpModelReplica(ModelReplica):
                 self._use_session(sid, call.principal)
                 span.set_attribute("hotloop.session_id", sid)
                 t0 = time.perf_counter()
-                stream = await self._start(sid, call.principal, [*system, *history, *new], call.settings, call.tools)
+                turn.stream = stream = await self._start(
+                    sid, call.principal, [*system, *history, *new], call.settings, call.tools
+                )
                 created = int(time.time())
                 message_id = "msg_" + secrets.token_hex(16)
                 progress = rs.response_json(call.response_id, call.echo, "in_progress", [], None, created)
@@ -652,21 +661,6 @@ class HttpModelReplica(ModelReplica):
                         item["response"] = body
                         item["hotloop"] = oa.hotloop_json(chunk, self.served_by)
                     yield item
-        except (GeneratorExit, asyncio.CancelledError):
-            if stream is not None:
-                stream.cancel()
-            raise
-        except Exception as e:
-            if stream is not None:
-                stream.cancel()
-            if isinstance(e, HotloopError):
-                yield {"error": {"code": e.code, "message": e.message, "field": getattr(e, "field", None)}}
-            else:
-                log.exception("unexpected error serving a response", exc_info=e)
-                yield {"error": {"code": "INTERNAL", "message": f"internal error ({type(e).__name__})"}}
         finally:
             if sid is not None:
                 self._http_busy.discard(sid)
-
-
-HttpModelDeployment = serve.deployment(HttpModelReplica)

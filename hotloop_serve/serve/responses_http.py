@@ -1,9 +1,9 @@
 """The receiving replica's half of ``/v1/responses``: the owner's items as a response or its events.
 
-The owner (``openai_http.HttpModelReplica.OpenAIRespond``) yields a ``start`` item (the
+The owner (``openai_http.OpenAIApi.OpenAIRespond``) yields a ``start`` item (the
 response in progress and its message item's id), text and call pieces, then a last item
-carrying the finished ``response`` (as stored) and the ``hotloop`` extension. Errors are
-``{"error": ...}`` items, as for chat completions.
+carrying the finished ``response`` (as stored) and the ``hotloop`` extension. An error is a
+:class:`~hotloop_serve.errors.HotloopError` item, as for chat completions.
 """
 
 from __future__ import annotations
@@ -21,22 +21,12 @@ from hotloop_serve.serve.responses_schema import EventWriter
 MAX_LIST = 100
 
 
-def as_error(error: dict[str, Any]) -> HotloopError:
-    e = HotloopError(error["message"], field=error.get("field"))
-    e.code = error["code"]
-    return e
-
-
-def error_json(e: HotloopError) -> tuple[int, dict[str, Any]]:
-    return oa.error_of(e)
-
-
 async def collect_response(items: Any) -> Response:
     """A non-streaming response: the owner's last item holds it whole."""
     try:
         async for item in items:
-            if "error" in item:
-                status, body = error_json(as_error(item["error"]))
+            if isinstance(item, HotloopError):
+                status, body = oa.error_of(item)
                 return JSONResponse(body, status_code=status)
             if "response" in item:
                 body = dict(item["response"])
@@ -61,9 +51,8 @@ async def response_events(first: dict[str, Any], items: Any) -> AsyncIterator[by
         for kind, data in writer.start():
             yield _sse(kind, data)
         async for item in items:
-            if "error" in item:
-                e = as_error(item["error"])
-                kind, data = writer.error(e.code, e.message, getattr(e, "field", None))
+            if isinstance(item, HotloopError):
+                kind, data = writer.error(item.code, item.message, item.field)
                 yield _sse(kind, data)
                 return
             for kind, data in writer.item(item):

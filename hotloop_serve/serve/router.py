@@ -144,6 +144,20 @@ def rendezvous_order(key: str, ranks: list[str]) -> list[int]:
     return sorted(range(len(ranks)), key=lambda i: score(ranks[i]), reverse=True)
 
 
+def owner_of(key: str, ranks: list[str]) -> int:
+    """Index in ``ranks`` of ``key``'s owner: the head of :func:`rendezvous_order`, which the
+    router's first tier is too. A replica that reckons an owner itself (``fleet.ReplicaFleet``)
+    asks this, so the two can only differ in the ranks they see, never in the computation."""
+    return rendezvous_order(key, ranks)[0]
+
+
+def runner_up_of(key: str, ranks: list[str], owner: str) -> int:
+    """Index in ``ranks`` of the replica that takes ``key``'s sessions when ``owner`` is gone
+    (the owner of ``key`` among the others)."""
+    others = [r for r in ranks if r != owner]
+    return ranks.index(others[owner_of(key, others)])
+
+
 class SessionAffinityRouter(RequestRouter):  # type: ignore[misc]
     """Ray Serve request router implementing the rendezvous ranking above.
 

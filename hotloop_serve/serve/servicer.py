@@ -9,12 +9,13 @@ statuses by ``status.py``, cancellation re-raised); nothing here knows llama.cpp
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import functools
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
-from typing import Any, TypeVar
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Coroutine
+from typing import Any, NoReturn, TypeVar
 
 from google.protobuf.message import Message
 from grpc_health.v1 import health_pb2
@@ -25,14 +26,15 @@ from hotloop.v1 import session_pb2 as spb
 from hotloop_serve.config import Config, ModelConfig
 from hotloop_serve.engine.engine import Engine
 from hotloop_serve.engine.settings import SamplingSettings
-from hotloop_serve.engine.stream import RequestStream
 from hotloop_serve.errors import InvalidArgument, NotFound, ResourceExhausted
 from hotloop_serve.serve import convert
 from hotloop_serve.serve.auth import ANONYMOUS, Authenticator
+from hotloop_serve.serve.fleet import Fleet, SoloFleet
 from hotloop_serve.serve.openai_tools import ReplyCalls, constrain
 from hotloop_serve.serve.quotas import AnonymousSessions, PendingImports, caller_key
 from hotloop_serve.serve.session_ids import SessionIds, new_routing_key, routing_key
 from hotloop_serve.serve.status import set_status
+from hotloop_serve.serve.turns import Turn, guarded, submit
 from hotloop_serve.telemetry import RpcSpan, Telemetry
 
 _CLOSED_REMEMBERED = 4096
@@ -91,24 +93,12 @@ def unary(empty: type[_Reply]) -> Callable[[_Handler[_Request, _Reply]], _Rpc[_R
     return decorate
 
 
-async def _submit(submit: Callable[[], RequestStream]) -> RequestStream:
-    """Submit a request to the engine off the event loop, orphaning nothing.
-
-    A client's cancel or deadline can arrive while the submission is still running in its
-    thread; the request then gets cancelled as soon as it exists, instead of running for a
-    caller that left.
-    """
-    task = asyncio.ensure_future(asyncio.to_thread(submit))
-    try:
-        return await asyncio.shield(task)
-    except asyncio.CancelledError:
-        task.add_done_callback(_cancel_submitted)
-        raise
-
-
-def _cancel_submitted(task: asyncio.Future[RequestStream]) -> None:
-    if not task.cancelled() and task.exception() is None:
-        task.result().cancel()
+def _stream_failed(grpc_context: Any, e: Exception) -> NoReturn:
+    """gRPC's end of a failed stream (``turns.guarded``): the status recorded, then the error
+    raised, since a stream's status reaches Ray's proxy only with a message or an exception:
+    raising after ``set_code`` makes the proxy send our code and details."""
+    set_status(grpc_context, e)
+    raise e
 
 
 def _metadata(grpc_context: Any) -> list[tuple[str, Any]]:
@@ -118,7 +108,15 @@ def _metadata(grpc_context: Any) -> list[tuple[str, Any]]:
 
 
 class ModelServicer:
-    """ModelService + SessionService + grpc.health.v1 for one model, over one engine."""
+    """ModelService + SessionService + grpc.health.v1 for one model, over one engine.
+
+    The core of a replica: it serves a session where the router sent it, and asks its
+    ``fleet`` (``fleet.py``) only what needs the other replicas (where a new session belongs,
+    a session cached elsewhere, listing, settings kept by a runner-up). Alone (tests, benches)
+    that is a :class:`~hotloop_serve.serve.fleet.SoloFleet`; in Ray Serve,
+    ``deployment.ModelReplica`` builds it with a ``ReplicaFleet`` and puts the HTTP API
+    (``openai_http.OpenAIApi``) over the same core.
+    """
 
     def __init__(
         self,
@@ -130,6 +128,7 @@ class ModelServicer:
         telemetry: Telemetry,
         replica_id: str = "local",
         replica_rank: int = 0,
+        fleet: Fleet | None = None,
     ) -> None:
         self.config = config
         self.model = model
@@ -137,6 +136,7 @@ class ModelServicer:
         self.ids = ids
         self.auth = auth
         self.telemetry = telemetry
+        self.fleet: Fleet = fleet or SoloFleet()
         self.served_by = pb.ServedBy(replica=replica_id, replica_rank=replica_rank)
         self._closed: OrderedDict[str, None] = OrderedDict()
         self.imports = PendingImports(model.limits.import_bytes_per_principal, model.limits.import_bytes_per_replica)
@@ -199,28 +199,17 @@ class ModelServicer:
         """A verified session id whose cache, if it exists anywhere, is on this replica now.
 
         A session this replica does not know may have been cached by the replica that owned
-        its key before the fleet changed: :meth:`adopt_from_previous_owner` brings it over
+        its key before the fleet changed: ``fleet.adopt`` brings it over
         first. Not finding it anywhere is fine: the next turn rebuilds it from its history.
         """
         sid = self._session(session_id, principal)
         if not self.engine.known(sid):
             tenant = self._tenant(principal, sid)
-            await self.adopt_from_previous_owner(sid, tenant)
-            remembered = self.recall_settings(sid, tenant) if not self.engine.known(sid) else None
+            await self.fleet.adopt(sid, tenant)
+            remembered = self.fleet.recall_settings(sid, tenant) if not self.engine.known(sid) else None
             if remembered is not None:  # its owner is gone: keep the settings its creator chose
                 await asyncio.to_thread(self.engine.create_session, sid, tenant, remembered)
         return sid
-
-    async def adopt_from_previous_owner(self, sid: str, principal: str) -> None:
-        """Fetch a session from the replica that owned it before; overridden where replicas exist."""
-
-    def recall_settings(self, sid: str, principal: str) -> SamplingSettings | None:
-        """Settings the session's owner left here for it; overridden where replicas exist."""
-        return None
-
-    def settings_changed(self, sid: str, principal: str, settings: SamplingSettings | None) -> None:
-        """A session's settings were set here (None: it was closed): where replicas exist, the
-        runner-up for its key is told, so a turn it takes after the owner died keeps them."""
 
     def _session_proto(self, sid: str, principal: str) -> spb.Session:
         owner = self._tenant(principal, sid)
@@ -240,10 +229,6 @@ class ModelServicer:
         )
 
     # -- ModelService ------------------------------------------------------------------
-    async def running_replicas(self) -> dict[str, int]:
-        """Replicas running now, by model; overridden where Serve runs them (empty: not known)."""
-        return {}
-
     @staticmethod
     def _configured_replicas(model: ModelConfig) -> int:
         return model.autoscaling.min_replicas if model.autoscaling else model.replicas
@@ -267,7 +252,7 @@ class ModelServicer:
 
     @unary(mpb.ListModelsResponse)
     async def ListModels(self, request: mpb.ListModelsRequest, principal: str, span: RpcSpan) -> mpb.ListModelsResponse:
-        running = await self.running_replicas()
+        running = await self.fleet.running_replicas()
         models = [
             self.model_info(running)
             if m.name == self.model.name
@@ -283,7 +268,7 @@ class ModelServicer:
     @unary(mpb.ModelInfo)
     async def GetModel(self, request: mpb.GetModelRequest, principal: str, span: RpcSpan) -> mpb.ModelInfo:
         self._check_model(request.model)
-        return self.model_info(await self.running_replicas())
+        return self.model_info(await self.fleet.running_replicas())
 
     @unary(mpb.TokenizeResponse)
     async def Tokenize(self, request: mpb.TokenizeRequest, principal: str, span: RpcSpan) -> mpb.TokenizeResponse:
@@ -306,13 +291,15 @@ class ModelServicer:
             keyed = spb.CreateSessionRequest()
             keyed.CopyFrom(request)
             keyed.session_key = new_routing_key()
-            session = await self.route_create(keyed, principal, caller)
-        else:
-            session = await self.CreateSessionFor(request, principal, caller)
+            session = await self.fleet.create_at_owner(keyed, principal, caller)
+            if session is None:  # this replica owns the key
+                session = await self.create_session_here(keyed, principal, caller)
+        else:  # the router sent it to the key's owner
+            session = await self.create_session_here(request, principal, caller)
         span.set_attribute("hotloop.session_id", session.id)
         return session
 
-    async def CreateSessionFor(
+    async def create_session_here(
         self, request: spb.CreateSessionRequest, principal: str, caller: str = ""
     ) -> spb.Session:
         """Create a keyed session here (this replica owns the key); no auth: callers did it.
@@ -324,12 +311,8 @@ class ModelServicer:
             self.anonymous.admit(caller)
         await asyncio.to_thread(self.engine.create_session, sid, tenant, settings)
         self.anonymous.add(caller, sid)
-        self.settings_changed(sid, tenant, settings)
+        self.fleet.settings_changed(sid, tenant, settings)
         return self._session_proto(sid, principal)
-
-    async def route_create(self, request: spb.CreateSessionRequest, principal: str, caller: str) -> spb.Session:
-        """Send a keyed CreateSession to its owner; overridden where replicas exist (deployment.py)."""
-        return await self.CreateSessionFor(request, principal, caller)
 
     @unary(spb.Session)
     async def GetSession(self, request: spb.GetSessionRequest, principal: str, span: RpcSpan) -> spb.Session:
@@ -341,7 +324,7 @@ class ModelServicer:
         settings = await self._settings(request.settings, self.engine.defaults)
         tenant = self._tenant(principal, sid)
         await asyncio.to_thread(self.engine.update_settings, sid, tenant, settings)
-        self.settings_changed(sid, tenant, settings)
+        self.fleet.settings_changed(sid, tenant, settings)
         return self._session_proto(sid, principal)
 
     @unary(spb.Session)
@@ -358,7 +341,7 @@ class ModelServicer:
         sid = await self._here(request.session_id, principal)
         if self.engine.known(sid):
             await asyncio.to_thread(self.engine.close_session, sid, self._tenant(principal, sid))
-        self.settings_changed(sid, self._tenant(principal, sid), None)
+        self.fleet.settings_changed(sid, self._tenant(principal, sid), None)
         self._closed[sid] = None
         while len(self._closed) > _CLOSED_REMEMBERED:
             self._closed.popitem(last=False)
@@ -382,7 +365,7 @@ class ModelServicer:
         )
         caller = _CALLER.get()
         self.anonymous.admit(caller)
-        sid = self.ids.new(principal, await self.colocated_key(request.session_key))
+        sid = self.ids.new(principal, await self.fleet.colocated_key(request.session_key))
         owner, new_owner = self._tenant(principal, source), self._tenant(principal, sid)
         if owner == new_owner:
             await asyncio.to_thread(self.engine.fork_session, source, owner, sid, keep, settings)
@@ -390,7 +373,7 @@ class ModelServicer:
             blob = await asyncio.to_thread(self.engine.export_session, source, owner)
             await asyncio.to_thread(self.engine.import_session, sid, new_owner, blob, settings, keep)
         self.anonymous.add(caller, sid)
-        self.settings_changed(sid, new_owner, self.engine.settings_of(sid, new_owner))
+        self.fleet.settings_changed(sid, new_owner, self.engine.settings_of(sid, new_owner))
         span.set_attribute("hotloop.session_id", sid)
         return self._session_proto(sid, principal)
 
@@ -402,10 +385,6 @@ class ModelServicer:
                 f"session {shown!r} has no cache on this server (it was never used)", reason="SESSION_NOT_CACHED"
             )
 
-    async def colocated_key(self, preferred: str) -> str:
-        """A routing key owned by this replica (overridden where replicas exist)."""
-        return preferred or new_routing_key()
-
     @unary(spb.ListSessionsResponse)
     async def ListSessions(
         self, request: spb.ListSessionsRequest, principal: str, span: RpcSpan
@@ -413,17 +392,16 @@ class ModelServicer:
         self._check_model(request.model)
         if principal == ANONYMOUS:
             return spb.ListSessionsResponse()  # each anonymous session is its own tenant (_tenant)
-        sessions = await self.route_list(principal)
+        seen = {s.id: s for s in await self.list_sessions_here(principal)}
+        for session in await self.fleet.list_peers(principal):
+            seen.setdefault(session.id, session)
+        sessions = list(seen.values())
         sessions.sort(key=lambda s: s.last_used_unix, reverse=True)
         return spb.ListSessionsResponse(sessions=sessions)
 
-    async def ListFor(self, target: spb.ImportSessionRequest, principal: str) -> list[spb.Session]:
-        """The caller's sessions on this replica (``target`` only steers the router here)."""
+    async def list_sessions_here(self, principal: str) -> list[spb.Session]:
+        """The caller's sessions on this replica (what a peer's ListSessions asks here too)."""
         return [self._session_proto(info.id, principal) for info in self.engine.list_sessions(principal)]
-
-    async def route_list(self, principal: str) -> list[spb.Session]:
-        """Every replica's :meth:`ListFor`; overridden where replicas exist."""
-        return await self.ListFor(spb.ImportSessionRequest(), principal)
 
     async def ExportSession(
         self, request: spb.ExportSessionRequest, grpc_context: Any = None
@@ -441,8 +419,7 @@ class ModelServicer:
         except (GeneratorExit, asyncio.CancelledError):
             raise
         except Exception as e:
-            set_status(grpc_context, e)
-            raise  # a stream's status reaches the proxy with an exception (see Generate)
+            _stream_failed(grpc_context, e)
 
     @unary(spb.Session)
     async def ImportSession(self, request: spb.ImportSessionRequest, principal: str, span: RpcSpan) -> spb.Session:
@@ -473,7 +450,7 @@ class ModelServicer:
         tenant = self._tenant(principal, sid)
         await asyncio.to_thread(self.engine.import_session, sid, tenant, blob, settings)
         self.anonymous.add(caller, sid)
-        self.settings_changed(sid, tenant, self.engine.settings_of(sid, tenant))
+        self.fleet.settings_changed(sid, tenant, self.engine.settings_of(sid, tenant))
         span.set_attribute("hotloop.session_id", sid)
         return self._session_proto(sid, principal)
 
@@ -486,7 +463,7 @@ class ModelServicer:
         messages = convert.messages_from_proto(request.messages, self.model.limits.max_messages)
         settings = await self._turn_settings(request.settings, sid, principal)
         owner = self._tenant(principal, sid)
-        stream = await _submit(functools.partial(self.engine.warmup, sid, owner, messages, settings))
+        stream = await submit(functools.partial(self.engine.warmup, sid, owner, messages, settings))
         try:
             final = await stream.aresult()
         except asyncio.CancelledError:  # the caller left: stop prefilling for nobody
@@ -511,55 +488,52 @@ class ModelServicer:
     async def Generate(
         self, request: spb.GenerateRequest, grpc_context: Any = None
     ) -> AsyncIterator[spb.GenerateChunk]:
-        """Server-streaming; an await per chunk lets a client's cancel or deadline reach us."""
-        stream = None
-        try:
-            with self.telemetry.rpc("Generate", grpc_context) as span:
-                principal = self._principal(grpc_context)
-                self._check_size(request)
-                sid = await self._here(request.session_id, principal)
-                span.set_attribute("hotloop.session_id", sid)
-                messages = convert.messages_from_proto(request.messages, self.model.limits.max_messages)
-                settings = await self._turn_settings(request.settings, sid, principal)
-                tools, choice, parallel = convert.tools_from_proto(request)
-                calls = None
-                if tools:
-                    fmt = self.engine.template.tool_format
-                    # The tools' schemas are converted and bounded here: milliseconds, off the event loop.
-                    base = settings or self.engine.settings_of(sid, self._tenant(principal, sid))
-                    constrained = functools.partial(constrain, base, fmt, tools, choice, parallel, "tools[{}]")
-                    settings = await asyncio.to_thread(constrained)
-                    calls = ReplyCalls(fmt, tools, choice) if choice.calls and fmt else None
-                t0 = time.perf_counter()
-                owner = self._tenant(principal, sid)
-                submit = functools.partial(self.engine.generate, sid, owner, messages, settings, tools)
-                stream = await _submit(submit)
-                first = True
-                async for chunk in stream.chunks(self.config.server.stream_coalesce_ms / 1e3):
-                    if first:
-                        self.telemetry.first_token(span, time.perf_counter() - t0)
-                        first = False
-                    if chunk.final:
-                        self.telemetry.record_usage(span, chunk, "Generate")
-                    out = convert.chunk_to_proto(chunk, self.served_by)
-                    if calls is not None:  # the reply's text and its calls, apart
-                        item = calls.item(chunk.text, chunk.final)
-                        out.text = item["text"]
-                        out.tool_calls.extend(convert.tool_calls_to_proto(item.get("tool_calls", ())))
-                        if chunk.final and calls.finish_reason(chunk.finish_reason or "", "") == "tool_calls":
-                            out.finish_reason = convert.FINISH_TOOL_CALLS
-                    yield out
-        except (GeneratorExit, asyncio.CancelledError):
-            if stream is not None:
-                stream.cancel()
-            raise
-        except Exception as e:
-            if stream is not None:
-                stream.cancel()
-            set_status(grpc_context, e)
-            # A stream's status reaches Ray's proxy only with a message or an exception:
-            # raising after set_code makes the proxy send our code and details.
-            raise
+        """Server-streaming; an await per chunk lets a client's cancel or deadline reach us.
+        Ends early through the one error path of streamed turns (``turns.guarded``)."""
+        turn = Turn()
+        failed = functools.partial(_stream_failed, grpc_context)
+        async with contextlib.aclosing(guarded(self._generate(request, grpc_context, turn), turn, failed)) as chunks:
+            async for chunk in chunks:
+                yield chunk
+
+    async def _generate(
+        self, request: spb.GenerateRequest, grpc_context: Any, turn: Turn
+    ) -> AsyncGenerator[spb.GenerateChunk, None]:
+        with self.telemetry.rpc("Generate", grpc_context) as span:
+            principal = self._principal(grpc_context)
+            self._check_size(request)
+            sid = await self._here(request.session_id, principal)
+            span.set_attribute("hotloop.session_id", sid)
+            messages = convert.messages_from_proto(request.messages, self.model.limits.max_messages)
+            settings = await self._turn_settings(request.settings, sid, principal)
+            tools, choice, parallel = convert.tools_from_proto(request)
+            calls = None
+            if tools:
+                fmt = self.engine.template.tool_format
+                # The tools' schemas are converted and bounded here: milliseconds, off the event loop.
+                base = settings or self.engine.settings_of(sid, self._tenant(principal, sid))
+                constrained = functools.partial(constrain, base, fmt, tools, choice, parallel, "tools[{}]")
+                settings = await asyncio.to_thread(constrained)
+                calls = ReplyCalls(fmt, tools, choice) if choice.calls and fmt else None
+            t0 = time.perf_counter()
+            owner = self._tenant(principal, sid)
+            start = functools.partial(self.engine.generate, sid, owner, messages, settings, tools)
+            turn.stream = stream = await submit(start)
+            first = True
+            async for chunk in stream.chunks(self.config.server.stream_coalesce_ms / 1e3):
+                if first:
+                    self.telemetry.first_token(span, time.perf_counter() - t0)
+                    first = False
+                if chunk.final:
+                    self.telemetry.record_usage(span, chunk, "Generate")
+                out = convert.chunk_to_proto(chunk, self.served_by)
+                if calls is not None:  # the reply's text and its calls, apart
+                    item = calls.item(chunk.text, chunk.final)
+                    out.text = item["text"]
+                    out.tool_calls.extend(convert.tool_calls_to_proto(item.get("tool_calls", ())))
+                    if chunk.final and calls.finish_reason(chunk.finish_reason or "", "") == "tool_calls":
+                        out.finish_reason = convert.FINISH_TOOL_CALLS
+                yield out
 
     # -- grpc.health.v1 ------------------------------------------------------------------
     def serving(self) -> bool:
@@ -583,8 +557,7 @@ class ModelServicer:
             error = ResourceExhausted(
                 f"this replica serves at most {HEALTH_WATCHES} health Watch streams at once; poll Check instead"
             )
-            set_status(grpc_context, error)
-            raise error  # a stream's status reaches the proxy with an exception (see Generate)
+            _stream_failed(grpc_context, error)
         self._watches += 1
         try:
             last = None

@@ -7,7 +7,7 @@ turns next (the runner-up under the rendezvous ranking) would serve them with th
 defaults. So the owner also sends each change to the runner-up, which keeps it here, bounded
 in bytes, least recently set first out. A session the runner-up then meets without a cache
 starts from these settings, and a replacement of the dead owner gets them from the runner-up
-along with the session (see ``deployment.ModelReplica.GiveSession``).
+along with the session (see ``fleet.ReplicaFleet.give_session``).
 """
 
 from __future__ import annotations

@@ -58,7 +58,7 @@ def replicas(n: int, prefix: str = "r") -> list[FakeReplica]:
 
 def pending(request: Any, *, from_proxy: bool = True, method: str = "", session_id: str = "") -> PendingRequest:
     """A request as the router sees it: from the gRPC proxy a pickled ``gRPCRequest`` (and the
-    ``session_id`` metadata the SDKs send); from a deployment handle (CreateSessionFor) the
+    ``session_id`` metadata the SDKs send); from a deployment handle (create_session_here) the
     proto itself. ``method`` defaults to the RPC named by the request's type."""
     arg = pickle.dumps(gRPCRequest(user_request_proto=request)) if from_proxy else request
     method = method or type(request).__name__.removesuffix("Request")
@@ -104,7 +104,7 @@ def test_every_rpc_of_a_session_goes_to_the_same_owner_only_generate_spills(rout
         create = session_pb2.CreateSessionRequest(model="m", session_key=key)
         requests = [
             pending(create),
-            pending(create, from_proxy=False, method="CreateSessionFor"),  # through the deployment handle
+            pending(create, from_proxy=False, method="create_session_here"),  # through the deployment handle
             pending(session_pb2.WarmupRequest(session_id=sid)),
             pending(session_pb2.GetSessionRequest(session_id=sid)),
             pending(session_pb2.UpdateSettingsRequest(session_id=sid)),
@@ -274,7 +274,7 @@ def test_a_peer_address_reaches_each_other_replica_whatever_its_rank(router: Ses
     # session after a fleet change): the same replica in every router, renumbered or not, and
     # never the caller.
     pool = [FakeReplica("r2", 2, reported_rank=1), FakeReplica("r0", 0), FakeReplica("r3", 3)]
-    for method in ("GiveSession", "ListFor", "Generate"):
+    for method in ("give_session", "list_sessions_here", "Generate"):
 
         def at(i: int, caller: str, candidates: list[FakeReplica], method: str = method) -> list[list[str]]:
             request = pending(session_pb2.ImportSessionRequest(session_key=peer_address(i, caller)), method=method)
@@ -292,7 +292,7 @@ def test_a_request_that_cannot_be_routed_yet_backs_off_and_a_cancelled_one_stops
     # Ray's retry loop re-asks the router without sleeping unless the router says to back off:
     # a peer lookup with no peer, or a control RPC whose owner is full, spun a core until routed.
     pool = [FakeReplica("r0", 0)]
-    lookup = pending(session_pb2.ImportSessionRequest(session_key=peer_address(0, "r0")), method="GiveSession")
+    lookup = pending(session_pb2.ImportSessionRequest(session_key=peer_address(0, "r0")), method="give_session")
     assert choose(router, pool, lookup) == [[]]
     assert lookup.routing_context.should_backoff
     control = pending(session_pb2.GetSessionRequest(session_id=IDS.new("a", "backoff-key")))
