@@ -9,8 +9,8 @@ batch at the next step.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import threading
+import weakref
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
@@ -70,15 +70,71 @@ class Chunk:
         return self.finish_reason is not None
 
 
+class LoopWaker:
+    """Wakes the waiting readers of one event loop: one ``call_soon_threadsafe`` per batch of puts.
+
+    A step puts a chunk on every running stream (up to ``hot_sessions`` of them) within a
+    millisecond. One callback per stream would write the loop's self-pipe, and queue a
+    callback, once per stream and step; here the first put of a batch schedules one callback
+    and the puts that follow, until it runs, only add their reader's event to it: the loop
+    wakes once per step for all its streams.
+    """
+
+    __slots__ = ("_lock", "_loop", "_pending", "_scheduled")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = weakref.ref(loop)  # weak: the registry's key must not be kept alive by its value
+        self._lock = threading.Lock()
+        self._pending: list[asyncio.Event] = []
+        self._scheduled = False
+
+    def wake(self, event: asyncio.Event) -> None:
+        """Set ``event`` on the loop soon (any thread)."""
+        with self._lock:
+            self._pending.append(event)
+            if self._scheduled:
+                return
+            self._scheduled = True
+        loop = self._loop()
+        try:
+            if loop is None:
+                raise RuntimeError("event loop gone")
+            loop.call_soon_threadsafe(self._fire)
+        except RuntimeError:  # the loop is closed or gone: nobody listens
+            with self._lock:
+                self._pending.clear()
+                self._scheduled = False
+
+    def _fire(self) -> None:
+        with self._lock:
+            pending, self._pending = self._pending, []
+            self._scheduled = False
+        for event in pending:
+            event.set()
+
+
+_wakers: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, LoopWaker] = weakref.WeakKeyDictionary()
+_wakers_lock = threading.Lock()
+
+
+def loop_waker(loop: asyncio.AbstractEventLoop) -> LoopWaker:
+    """The one :class:`LoopWaker` of ``loop`` (created on first use, gone with the loop)."""
+    with _wakers_lock:
+        waker = _wakers.get(loop)
+        if waker is None:
+            waker = _wakers[loop] = LoopWaker(loop)
+        return waker
+
+
 class RequestStream:
     """A one-producer queue of chunks (or one error) with sync and async readers."""
 
-    __slots__ = ("_cancel", "_cond", "_done", "_event", "_items", "_loop", "_waiting", "finished")
+    __slots__ = ("_cancel", "_cond", "_done", "_event", "_items", "_waiting", "_waker", "finished")
 
     def __init__(self, cancel: Callable[[], None]) -> None:
         self._items: deque[Chunk | HotloopError] = deque()
         self._cond = threading.Condition()
-        self._loop: asyncio.AbstractEventLoop | None = None
+        self._waker: LoopWaker | None = None
         self._event: asyncio.Event | None = None
         self._cancel = cancel
         self._done = False
@@ -97,11 +153,10 @@ class RequestStream:
             if isinstance(item, HotloopError) or item.final:
                 self._done = True
             self._cond.notify()
-            loop, event = self._loop, self._event
+            waker, event = self._waker, self._event
             wake, self._waiting = self._waiting, False
-        if wake and loop is not None and event is not None:
-            with contextlib.suppress(RuntimeError):  # the reader's loop is closed: nobody listens
-                loop.call_soon_threadsafe(event.set)
+        if wake and waker is not None and event is not None:
+            waker.wake(event)
 
     # -- consumer side --
     def cancel(self) -> None:
@@ -156,7 +211,7 @@ class RequestStream:
         through the RPC layers per token); the first chunk and errors are never delayed."""
         event = asyncio.Event()
         with self._cond:
-            self._loop, self._event = asyncio.get_running_loop(), event
+            self._waker, self._event = loop_waker(asyncio.get_running_loop()), event
         try:
             while True:
                 with self._cond:
