@@ -25,7 +25,7 @@ chunk arrival times are recorded. CPU is read from ``/proc`` before and after ea
 other jobs' CPU on the machine (neither the server tree nor this process) is reported too.
 
 Run: ``.venv/bin/python bench/serving.py [--steps 10,15,30] [--streams 64,128,256]
-[--clients engine,sdk,grpc,http] [--tokens 200] [--coalesce-ms 0] [--ray-env K=V ...]
+[--clients engine,sdk,grpc,http] [--tokens 200] [--coalesce-ms 0] [--messages-per-s 0] [--ray-env K=V ...]
 [--tag NAME]``; writes ``bench/results/serving[_TAG].{json,md}``.
 """
 
@@ -404,11 +404,14 @@ def run_stack_rows(
     tokens: int,
     clients: Sequence[str],
     coalesce_ms: float,
+    messages_per_s: float,
     ray_env: dict[str, str],
     log: Path,
 ) -> list[dict[str, Any]]:
     server = HotloopServer("serving", 1, 1, engine_config(step_ms, max(streams), tokens))
     server.config["server"]["stream_coalesce_ms"] = coalesce_ms
+    if messages_per_s:  # only when set: the bench also drives older trees (before/after runs)
+        server.config["server"]["stream_messages_per_s"] = messages_per_s
     server.config["models"][0]["engine"].pop("threads", None)
     server.config["models"][0]["limits"] = {"sessions_per_principal": 4096}
     saved = {k: os.environ.get(k) for k in ray_env}
@@ -461,6 +464,7 @@ def main() -> None:
     ap.add_argument("--clients", default="engine,sdk,grpc,http")
     ap.add_argument("--tokens", type=int, default=200, help="tokens per stream")
     ap.add_argument("--coalesce-ms", type=float, default=0.0, help="server.stream_coalesce_ms")
+    ap.add_argument("--messages-per-s", type=float, default=0.0, help="server.stream_messages_per_s")
     ap.add_argument("--ray-env", action="append", default=[], help="K=V for the server's Ray processes")
     ap.add_argument("--tag", default="", help="suffix of the result files")
     ns = ap.parse_args()
@@ -479,7 +483,7 @@ def main() -> None:
         stack = [c for c in clients if c != "engine"]
         if stack:
             log = RESULTS / f"serving{suffix}-server-{step:g}.log"
-            rows += run_stack_rows(step, streams, ns.tokens, stack, ns.coalesce_ms, ray_env, log)
+            rows += run_stack_rows(step, streams, ns.tokens, stack, ns.coalesce_ms, ns.messages_per_s, ray_env, log)
             log.unlink(missing_ok=True)
     facts = machine_facts()
     result = {

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from typing import Any
 
-from hotloop_serve.engine.stream import Chunk, RequestStream, Usage, loop_waker
+from hotloop_serve.engine.stream import Chunk, RequestStream, StreamPacer, Usage, loop_waker
 
 
 def test_one_wake_up_for_a_batch_of_streams() -> None:
@@ -75,3 +76,48 @@ def test_one_waker_per_loop() -> None:
         return loop_waker(loop) is loop_waker(loop)
 
     assert asyncio.run(main())
+
+
+def _paced(puts: list[tuple[float, str]], pacer: StreamPacer) -> list[tuple[float, str]]:
+    """Read one stream through ``pacer`` while a thread puts ``(delay_s, text)`` items; each
+    message's arrival (seconds from the start) and text."""
+
+    async def main() -> list[tuple[float, str]]:
+        stream = RequestStream(lambda: None)
+        t0 = time.perf_counter()
+
+        def producer() -> None:
+            for delay, text in puts:
+                time.sleep(delay)
+                stream.put(Chunk(text))
+            stream.put(Chunk("", finish_reason="length", usage=Usage()))
+
+        thread = threading.Thread(target=producer)
+        thread.start()
+        got = [(time.perf_counter() - t0, c.text) async for c in stream.chunks(pacer=pacer)]
+        thread.join()
+        return got
+
+    return asyncio.run(main())
+
+
+def test_a_pacer_merges_tokens_under_load() -> None:
+    pacer = StreamPacer(messages_per_s=20.0)
+    pacer.active = 1  # with this stream, 2 open: a message every 0.1 s
+    got = _paced([(0.005, "x")] * 60, pacer)
+    text = "".join(t for _, t in got)
+    assert text == "x" * 60
+    assert got[0][1] == "x" and got[0][0] < 0.05, "the first token is never held back"
+    assert len(got) <= 8, f"0.3 s of tokens in {len(got)} messages"
+    assert pacer.active == 1
+
+
+def test_a_pacer_never_holds_back_a_token_after_a_pause() -> None:
+    pacer = StreamPacer(messages_per_s=10.0)  # alone: a message every 0.1 s at most
+    got = _paced([(0.0, "a"), (0.3, "b")], pacer)
+    assert [t for _, t in got[:2]] == ["a", "b"]
+    assert got[1][0] - 0.3 < 0.05, "b came after a pause longer than the gap: sent at once"
+
+
+def test_no_pacing_without_a_budget() -> None:
+    assert StreamPacer(0).gap_s() == 0.0
