@@ -495,7 +495,7 @@ class HttpModelReplica(ModelReplica):
                 fmt = self.engine.template.tool_format
                 calls = ReplyCalls(fmt, call.tools, call.tool_choice) if call.tool_choice and fmt else None
                 first = True
-                async for chunk in stream:
+                async for chunk in stream.chunks(pacer=self.pacer):
                     if first:
                         self.telemetry.first_token(span, time.perf_counter() - t0)
                         first = False
@@ -619,7 +619,7 @@ class HttpModelReplica(ModelReplica):
                 calls = ReplyCalls(fmt, call.tools, call.tool_choice) if call.tool_choice and fmt else None
                 text: list[str] = []
                 first = True
-                async for chunk in stream:
+                async for chunk in stream.chunks(pacer=self.pacer):
                     if first:
                         self.telemetry.first_token(span, time.perf_counter() - t0)
                         first = False
