@@ -340,7 +340,7 @@ def engine_config(step_ms: float, width: int, tokens: int) -> dict[str, Any]:
         "kind": "synthetic",
         "synthetic_step_ms": step_ms,
         "hot_sessions": width,
-        "max_sessions": max(256, 2 * width),
+        "max_sessions": 8192,  # every row opens new sessions; they stay until idle_ttl_s
         "context_tokens": width * 1024,
         "session_context_tokens": 1024,
         "batch_tokens": max(512, width),

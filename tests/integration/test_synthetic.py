@@ -35,7 +35,8 @@ def synthetic_app(server: Server) -> Iterator[Server]:
               "session_context_tokens": 1024}  # fmt: skip
     doc["models"] = [{"name": APP, "engine": engine, "resources": {"num_cpus": 0.5}}]
     config = config_from_dict(doc)
-    serve.run(model_app(config, config.models[0], os.environ["HOTLOOP_SESSION_SECRET"]), name=APP, route_prefix=f"/{APP}")
+    app = model_app(config, config.models[0], os.environ["HOTLOOP_SESSION_SECRET"])
+    serve.run(app, name=APP, route_prefix=f"/{APP}")
     yield Server(server.address, config)
     if serve.status().applications.get(APP) is not None:
         serve.delete(APP)
@@ -43,9 +44,9 @@ def synthetic_app(server: Server) -> Iterator[Server]:
 
 def test_many_streams_get_every_token(synthetic_app: Server) -> None:
     def one(i: int) -> tuple[int, int, str]:
-        with Client(synthetic_app.address) as c:
-            with c.model(APP).new_session(settings=Settings(temperature=0, sample_len=TOKENS)) as s:
-                chunks = list(s.generate([Message(Role.USER, f"stream {i}")]))
+        settings = Settings(temperature=0, sample_len=TOKENS)
+        with Client(synthetic_app.address) as c, c.model(APP).new_session(settings=settings) as s:
+            chunks = list(s.generate([Message(Role.USER, f"stream {i}")]))
         final = chunks[-1]
         assert final.usage is not None and final.finish_reason is not None
         return final.usage.completion_tokens, len(chunks), "".join(c.text for c in chunks)
