@@ -366,7 +366,12 @@ def run_engine_rows(step_ms: float, streams: Sequence[int], tokens: int) -> list
 
 
 async def _stack_rows(
-    server: HotloopServer, step_ms: float, streams: Sequence[int], tokens: int, clients: Sequence[str]
+    server: HotloopServer,
+    step_ms: float,
+    streams: Sequence[int],
+    tokens: int,
+    clients: Sequence[str],
+    on_row: Callable[[dict[str, Any]], None],
 ) -> list[dict[str, Any]]:
     import aiohttp
     import grpc
@@ -391,6 +396,7 @@ async def _stack_rows(
                 row = await measure(n, openers[name](tokens, f"{name}{n}-{time.time_ns()}"), step_s, pid)
                 rows.append({"client": name, "step_ms": step_ms, **row})
                 print_row(rows[-1])
+                on_row(rows[-1])
     finally:
         await http.close()
         await channel.close()
@@ -407,6 +413,7 @@ def run_stack_rows(
     messages_per_s: float,
     ray_env: dict[str, str],
     log: Path,
+    on_row: Callable[[dict[str, Any]], None],
 ) -> list[dict[str, Any]]:
     server = HotloopServer("serving", 1, 1, engine_config(step_ms, max(streams), tokens))
     server.config["server"]["stream_coalesce_ms"] = coalesce_ms
@@ -414,11 +421,15 @@ def run_stack_rows(
         server.config["server"]["stream_messages_per_s"] = messages_per_s
     server.config["models"][0]["engine"].pop("threads", None)
     server.config["models"][0]["limits"] = {"sessions_per_principal": 4096}
+    # An HTTP stream holds two of the replica's request slots (the ingress call, and its turn
+    # handed to the session's owner through the deployment handle, here the same replica): at
+    # the default (hot_sessions) more than hot_sessions / 2 HTTP streams stall waiting for slots.
+    server.config["models"][0]["routing"] = {"max_ongoing_requests": 2 * max(streams) + 8}
     saved = {k: os.environ.get(k) for k in ray_env}
     os.environ.update(ray_env)  # inherited by the server and Ray's processes
     try:
         server.start(log)
-        return asyncio.run(_stack_rows(server, step_ms, streams, tokens, clients))
+        return asyncio.run(_stack_rows(server, step_ms, streams, tokens, clients, on_row))
     finally:
         server.stop()
         for k, v in saved.items():
@@ -477,31 +488,37 @@ def main() -> None:
     print(HEADER)
     print("|" + "---|" * (HEADER.count("|") - 1))
     rows: list[dict[str, Any]] = []
+    facts = machine_facts()
+
+    def write() -> None:  # after every server too: a run cut short keeps what it measured
+        result = {"machine": facts, "args": vars(ns), "rows": rows}
+        (RESULTS / f"serving{suffix}.json").write_text(json.dumps(result, indent=1))
+        lines = [
+            f"`bench/serving.py {' '.join(sys.argv[1:])}`, {facts['date']}, {facts['cores']} cores ({facts['cpu']}).",
+            "",
+            "CPU columns: ms of CPU per delivered token (serving = proxy + replica loop + replica other).",
+            "",
+            HEADER,
+            "|" + "---|" * (HEADER.count("|") - 1),
+            *(md_row(r) for r in rows),
+        ]
+        (RESULTS / f"serving{suffix}.md").write_text("\n".join(lines) + "\n")
+
     for step in steps:
         if "engine" in clients:
-            rows += run_engine_rows(step, streams, ns.tokens)
+            rows.extend(run_engine_rows(step, streams, ns.tokens))
+            write()
         stack = [c for c in clients if c != "engine"]
         if stack:
             log = RESULTS / f"serving{suffix}-server-{step:g}.log"
-            rows += run_stack_rows(step, streams, ns.tokens, stack, ns.coalesce_ms, ns.messages_per_s, ray_env, log)
+
+            def on_row(row: dict[str, Any]) -> None:
+                rows.append(row)
+                write()
+
+            run_stack_rows(step, streams, ns.tokens, stack, ns.coalesce_ms, ns.messages_per_s, ray_env, log, on_row)
             log.unlink(missing_ok=True)
-    facts = machine_facts()
-    result = {
-        "machine": facts,
-        "args": vars(ns),
-        "rows": rows,
-    }
-    (RESULTS / f"serving{suffix}.json").write_text(json.dumps(result, indent=1))
-    lines = [
-        f"`bench/serving.py {' '.join(sys.argv[1:])}`, {facts['date']}, {facts['cores']} cores ({facts['cpu']}).",
-        "",
-        "CPU columns: ms of CPU per delivered token (serving = proxy + replica loop + replica other).",
-        "",
-        HEADER,
-        "|" + "---|" * (HEADER.count("|") - 1),
-        *(md_row(r) for r in rows),
-    ]
-    (RESULTS / f"serving{suffix}.md").write_text("\n".join(lines) + "\n")
+    write()
 
 
 if __name__ == "__main__":
