@@ -170,6 +170,11 @@ class ServerConfig(_Strict):
     stream_coalesce_ms: Annotated[float, Field(ge=0, le=1000)] = 0.0
     """After each streamed chunk, wait this long so the tokens decoded meanwhile go out as one
     chunk (fewer messages through Ray's proxy per token; the first chunk is never delayed)."""
+    stream_messages_per_s: Annotated[float, Field(ge=0)] = 0.0
+    """Budget of streamed messages per second per replica (0: none): with N streams open, each
+    sends at most one message every N / budget seconds, the tokens decoded meanwhile merged
+    into it; with few streams nothing waits (``engine.stream.StreamPacer``). Ray's proxy
+    spends about the same CPU per message whatever it carries (``docs/capacity.md``)."""
 
 
 class TelemetryConfig(_Strict):

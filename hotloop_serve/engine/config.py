@@ -11,6 +11,7 @@ from typing import ClassVar
 
 GiB = 1024**3
 KV_TYPES = ("f16", "q8_0", "q4_0")
+ENGINE_KINDS = ("llama", "synthetic")
 
 
 @dataclass(frozen=True)
@@ -19,6 +20,13 @@ class EngineOptions:
 
     __pydantic_config__: ClassVar[dict[str, str]] = {"extra": "forbid"}
 
+    kind: str = "llama"
+    """``llama``: llama.cpp decodes the model. ``synthetic``: a load generator, not a model: every
+    step waits ``synthetic_step_ms`` and streams one token per decoding session from a fixed
+    vocabulary (``synthetic.py``), to measure the serving layer at an accelerator's token rates
+    on any machine. The Helm chart refuses it unless ``allowSyntheticEngine`` is set."""
+    synthetic_step_ms: float = 15.0
+    """With ``kind: synthetic``, the time one step takes (batch width: ``hot_sessions``)."""
     context_tokens: int = 16384
     """KV cache cells shared by all hot sessions of the replica (llama.cpp's n_ctx)."""
     session_context_tokens: int = 8192
@@ -121,6 +129,8 @@ class EngineOptions:
 
     def __post_init__(self) -> None:
         checks = {
+            "kind": self.kind in ENGINE_KINDS,
+            "synthetic_step_ms": 0 < self.synthetic_step_ms <= 10_000,
             "context_tokens": self.context_tokens >= 64,
             "session_context_tokens": 32 <= self.session_context_tokens <= self.context_tokens,
             "evicted_bytes": self.evicted_bytes >= 0,

@@ -55,7 +55,7 @@ from hotloop_serve.engine.persist import BlobKeys, DiskStore, SessionBlob, model
 from hotloop_serve.engine.prompt_fit import fit_prompt
 from hotloop_serve.engine.prompt_tokens import PromptTokenizer
 from hotloop_serve.engine.requests import Request, RequestKind, RequestState
-from hotloop_serve.engine.runner import ModelRunner
+from hotloop_serve.engine.runner import ModelRunner, Runner
 from hotloop_serve.engine.sampling import Sampler
 from hotloop_serve.engine.scheduler import BatchPlan, Scheduler
 from hotloop_serve.engine.session import KVBytes, Session, SessionPhase, SessionRegistry
@@ -75,7 +75,8 @@ log = logging.getLogger(__name__)
 
 __all__ = ["Engine", "EngineStats", "SessionInfo"]
 
-RunnerFactory = Callable[[Model, EngineOptions], ModelRunner]
+RunnerFactory = Callable[[Model, EngineOptions], Runner]
+OutputFactory = Callable[[Model, Runner], OutputProcessor]
 FOLLOWUP_WAIT_STEP_SHARE = 0.25
 """At most this share of a measured decoding step is spent waiting for a quick client's next
 turn: it saves that client a whole step and delays the others' next token by a quarter."""
@@ -139,9 +140,14 @@ class Engine:
         blob_keys: BlobKeys | None = None,
         prestart_grammar_probe: bool = False,
         runner: RunnerFactory = ModelRunner,
+        model: Model | None = None,
+        output: OutputFactory | None = None,
     ) -> None:
         """``runner`` builds the model runner from the loaded model (tests and benchmarks pass a
-        subclass of :class:`ModelRunner` that records or slows its steps)."""
+        subclass of :class:`ModelRunner` that records or slows its steps). ``model``: the model
+        already loaded from ``model_path`` (the engine closes it); ``output``: the output stage
+        (default: sampling the runner's logits). The synthetic engine (``synthetic.py``) passes
+        all three."""
         self.options = opts = options or EngineOptions()
         self.blob_keys = blob_keys or BlobKeys.ephemeral()
         """Sign exported and persisted caches and verify imported ones (``persist.py``): by
@@ -149,7 +155,7 @@ class Engine:
         self.defaults = default_settings or SamplingSettings()
         self.sessions_per_owner = sessions_per_owner
         self.max_sample_len = max_sample_len
-        self.model = Model(model_path, gpu_layers=opts.gpu_layers, repack=not opts.batch_invariant)
+        self.model = model or Model(model_path, gpu_layers=opts.gpu_layers, repack=not opts.batch_invariant)
         meta = self.model.metadata
         per_seq = opts.context_tokens // opts.hot_sessions if opts.kv_layout == "per_session" else opts.context_tokens
         self.session_context = min(opts.session_context_tokens, meta.train_context_length or per_seq, per_seq)
@@ -184,7 +190,7 @@ class Engine:
         )
         self._writer = concurrent.futures.ThreadPoolExecutor(1, "hotloop-persist") if self.disk else None
         self.runner = runner(self.model, opts)
-        self.output = OutputProcessor(self.model, self.runner.ctx)
+        self.output = output(self.model, self.runner) if output else OutputProcessor(self.model, self.runner.ctx)
         self.kv = KVManager(
             self.runner.memory,
             sequences=opts.sequences,

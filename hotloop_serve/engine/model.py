@@ -61,7 +61,8 @@ _FILE_TYPES = {
 class Model:
     """A loaded GGUF model (weights + vocabulary). One per replica; shared by its context."""
 
-    def __init__(self, path: str | Path, gpu_layers: int = 0, repack: bool = True) -> None:
+    def __init__(self, path: str | Path, gpu_layers: int = 0, repack: bool = True, vocab_only: bool = False) -> None:
+        """``vocab_only``: the tokenizer and metadata without the weights (the synthetic engine's)."""
         path = Path(path)
         if not path.is_file():
             raise InvalidArgument(f"model file not found: {path}")
@@ -69,6 +70,7 @@ class Model:
         params = ll.llama_model_default_params()
         params.n_gpu_layers = 2**31 - 1 if gpu_layers < 0 else gpu_layers
         params.use_extra_bufts = repack
+        params.vocab_only = vocab_only
         self.path = path
         self._ptr = ll.llama_model_load_from_file(str(path).encode(), params)
         if not self._ptr:

@@ -41,7 +41,7 @@ class Outcome:
 class OutputProcessor:
     """Samples and detokenizes on the scheduler thread (the samplers read the context's logits)."""
 
-    def __init__(self, model: Model, ctx: ll.llama_context_p) -> None:
+    def __init__(self, model: Model, ctx: ll.llama_context_p | None) -> None:
         self.model = model
         self.ctx = ctx
 

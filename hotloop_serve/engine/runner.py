@@ -16,13 +16,14 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import llama_cpp as ll
 import numpy as np
 
 from hotloop_serve.engine.config import EngineOptions
 from hotloop_serve.engine.cpus import cpu_budget
-from hotloop_serve.engine.kv import LlamaKVMemory
+from hotloop_serve.engine.kv import KVMemory, LlamaKVMemory
 from hotloop_serve.engine.model import Model
 from hotloop_serve.engine.scheduler import PREFILL_TILE, Piece
 from hotloop_serve.errors import InternalError
@@ -71,6 +72,28 @@ class InconsistentPieces(Exception):
         super().__init__(f"pieces {pieces} do not continue their sequences")
         self.pieces = pieces
         self.cached: tuple[int, ...] = ()
+
+
+class RunnerMemory(KVMemory, Protocol):
+    """A runner's KV memory: the manager's operations, and a calibration on the scheduler thread."""
+
+    def calibrate(self) -> None: ...
+
+
+class Runner(Protocol):
+    """What the engine needs of a runner: :class:`ModelRunner`, or the synthetic engine's
+    (``synthetic.py``), which replaces llama.cpp by a clock to load the serving layer."""
+
+    @property
+    def ctx(self) -> ll.llama_context_p | None:
+        """The llama.cpp context the output stage samples from (None: it samples nothing)."""
+
+    @property
+    def memory(self) -> RunnerMemory: ...
+
+    def execute(self, pieces: Sequence[Piece]) -> StepOutput: ...
+
+    def close(self) -> None: ...
 
 
 class ModelRunner:

@@ -9,8 +9,9 @@ batch at the next step.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import threading
+import time
+import weakref
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
@@ -70,15 +71,98 @@ class Chunk:
         return self.finish_reason is not None
 
 
+class LoopWaker:
+    """Wakes the waiting readers of one event loop: one ``call_soon_threadsafe`` per batch of puts.
+
+    A step puts a chunk on every running stream (up to ``hot_sessions`` of them) within a
+    millisecond. One callback per stream would write the loop's self-pipe, and queue a
+    callback, once per stream and step; here the first put of a batch schedules one callback
+    and the puts that follow, until it runs, only add their reader's event to it: the loop
+    wakes once per step for all its streams.
+    """
+
+    __slots__ = ("_lock", "_loop", "_pending", "_scheduled")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = weakref.ref(loop)  # weak: the registry's key must not be kept alive by its value
+        self._lock = threading.Lock()
+        self._pending: list[asyncio.Event] = []
+        self._scheduled = False
+
+    def wake(self, event: asyncio.Event) -> None:
+        """Set ``event`` on the loop soon (any thread)."""
+        with self._lock:
+            self._pending.append(event)
+            if self._scheduled:
+                return
+            self._scheduled = True
+        loop = self._loop()
+        try:
+            if loop is None:
+                raise RuntimeError("event loop gone")
+            loop.call_soon_threadsafe(self._fire)
+        except RuntimeError:  # the loop is closed or gone: nobody listens
+            with self._lock:
+                self._pending.clear()
+                self._scheduled = False
+
+    def _fire(self) -> None:
+        with self._lock:
+            pending, self._pending = self._pending, []
+            self._scheduled = False
+        for event in pending:
+            event.set()
+
+
+_wakers: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, LoopWaker] = weakref.WeakKeyDictionary()
+_wakers_lock = threading.Lock()
+
+
+def loop_waker(loop: asyncio.AbstractEventLoop) -> LoopWaker:
+    """The one :class:`LoopWaker` of ``loop`` (created on first use, gone with the loop)."""
+    with _wakers_lock:
+        waker = _wakers.get(loop)
+        if waker is None:
+            waker = _wakers[loop] = LoopWaker(loop)
+        return waker
+
+
+class StreamPacer:
+    """Spaces the messages of one event loop's streams to a budget of messages per second, so
+    that under load each message carries several tokens and an idle replica delays none.
+
+    Every streamed message costs the RPC layers behind the reader (Ray Serve's per-item
+    serialization, its proxy, the client) about the same whatever it carries, and a replica
+    fed at an accelerator's rate (a token per session every 10-30 ms, 64-256 sessions) would
+    otherwise send one message per token. With ``active`` streams open, a stream sends at
+    most one message every ``active / messages_per_s`` seconds, measured from its previous
+    message: the tokens decoded meanwhile travel together. A stream's first message, and any
+    message after a pause longer than that gap, go out at once; with few streams the gap is
+    below a step and nothing waits. Event-loop thread only (no lock).
+    """
+
+    __slots__ = ("active", "messages_per_s")
+
+    def __init__(self, messages_per_s: float) -> None:
+        self.messages_per_s = messages_per_s
+        """0: no pacing."""
+        self.active = 0
+        """Streams being read through this pacer now."""
+
+    def gap_s(self) -> float:
+        """The least time between two messages of one stream now."""
+        return self.active / self.messages_per_s if self.messages_per_s > 0 else 0.0
+
+
 class RequestStream:
     """A one-producer queue of chunks (or one error) with sync and async readers."""
 
-    __slots__ = ("_cancel", "_cond", "_done", "_event", "_items", "_loop", "_waiting", "finished")
+    __slots__ = ("_cancel", "_cond", "_done", "_event", "_items", "_waiting", "_waker", "finished")
 
     def __init__(self, cancel: Callable[[], None]) -> None:
         self._items: deque[Chunk | HotloopError] = deque()
         self._cond = threading.Condition()
-        self._loop: asyncio.AbstractEventLoop | None = None
+        self._waker: LoopWaker | None = None
         self._event: asyncio.Event | None = None
         self._cancel = cancel
         self._done = False
@@ -97,11 +181,10 @@ class RequestStream:
             if isinstance(item, HotloopError) or item.final:
                 self._done = True
             self._cond.notify()
-            loop, event = self._loop, self._event
+            waker, event = self._waker, self._event
             wake, self._waiting = self._waiting, False
-        if wake and loop is not None and event is not None:
-            with contextlib.suppress(RuntimeError):  # the reader's loop is closed: nobody listens
-                loop.call_soon_threadsafe(event.set)
+        if wake and waker is not None and event is not None:
+            waker.wake(event)
 
     # -- consumer side --
     def cancel(self) -> None:
@@ -150,13 +233,16 @@ class RequestStream:
     def __aiter__(self) -> AsyncIterator[Chunk]:
         return self.chunks()
 
-    async def chunks(self, coalesce_s: float = 0.0) -> AsyncIterator[Chunk]:
+    async def chunks(self, coalesce_s: float = 0.0, pacer: StreamPacer | None = None) -> AsyncIterator[Chunk]:
         """The chunks, read on an event loop. ``coalesce_s`` > 0: after a chunk, wait that long
         before the next read, so the tokens decoded meanwhile travel as one chunk (fewer messages
-        through the RPC layers per token); the first chunk and errors are never delayed."""
+        through the RPC layers per token); the first chunk and errors are never delayed.
+        ``pacer``: the same, by a gap that grows with the streams open (:class:`StreamPacer`)."""
         event = asyncio.Event()
         with self._cond:
-            self._loop, self._event = asyncio.get_running_loop(), event
+            self._waker, self._event = loop_waker(asyncio.get_running_loop()), event
+        if pacer is not None:
+            pacer.active += 1
         try:
             while True:
                 with self._cond:
@@ -178,8 +264,32 @@ class RequestStream:
                     return
                 if coalesce_s > 0:
                     await asyncio.sleep(coalesce_s)
+                elif pacer is not None:
+                    gap = pacer.gap_s()
+                    if gap > 0:
+                        # From this message on: the next one waits only for what is left of the gap.
+                        sent = time.perf_counter()
+                        await self._pause(event, sent + gap)
         finally:
+            if pacer is not None:
+                pacer.active -= 1
             self.cancel()
+
+    async def _pause(self, event: asyncio.Event, until: float) -> None:
+        """Wait until ``until`` unless nothing arrives meanwhile: then the next item, whenever it
+        comes, goes out at once if the gap has passed (an idle stream is never held back)."""
+        with self._cond:
+            if not self._items:  # nothing yet: wait for it first, the gap may pass meanwhile
+                event.clear()
+                self._waiting = True
+                wait_first = True
+            else:
+                wait_first = False
+        if wait_first:
+            await event.wait()
+        left = until - time.perf_counter()
+        if left > 0:
+            await asyncio.sleep(left)
 
     def result(self) -> Chunk:
         """Wait for the end and return the final chunk, text joined (for warmup and tests)."""

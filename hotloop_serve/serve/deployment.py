@@ -32,9 +32,9 @@ from fastapi.responses import Response
 from ray import serve
 
 from hotloop_serve.config import config_from_dict
-from hotloop_serve.engine.engine import Engine
 from hotloop_serve.engine.persist import BlobKeys
 from hotloop_serve.engine.settings import SamplingSettings
+from hotloop_serve.engine.synthetic import open_engine
 from hotloop_serve.serve.auth import Authenticator, describe_tokens, export_secrets, load_tokens
 from hotloop_serve.serve.fleet import ReplicaFleet
 from hotloop_serve.serve.model_source import resolve_model_path
@@ -83,7 +83,7 @@ class ModelReplica:
         tokens = load_tokens(cfg.auth)  # fails closed (a configured source with no token), before loading
         tracer_provider, meter_provider = configure_telemetry(cfg.telemetry.enabled, cfg.telemetry.console)
         defaults = SamplingSettings().merged(**mcfg.default_settings())
-        engine = Engine(
+        engine = open_engine(
             str(resolve_model_path(mcfg.path)),
             mcfg.engine,
             default_settings=defaults,

@@ -212,6 +212,7 @@ class OpenAIApi:
         self.core = core
         self.config, self.model, self.engine = core.config, core.model, core.engine
         self.ids, self.auth, self.telemetry = core.ids, core.auth, core.telemetry
+        self.pacer = core.pacer  # one message budget for the replica's gRPC and HTTP streams
         self.served_by = core.served_by  # the core's own: a rank Ray reassigns shows in both
         self._app, self._deployment = app, deployment
         self._http_busy: set[str] = set()
@@ -506,7 +507,7 @@ class OpenAIApi:
                 fmt = self.engine.template.tool_format
                 calls = ReplyCalls(fmt, call.tools, call.tool_choice) if call.tool_choice and fmt else None
                 first = True
-                async for chunk in stream:
+                async for chunk in stream.chunks(pacer=self.pacer):
                     if first:
                         self.telemetry.first_token(span, time.perf_counter() - t0)
                         first = False
@@ -628,7 +629,7 @@ class OpenAIApi:
                 calls = ReplyCalls(fmt, call.tools, call.tool_choice) if call.tool_choice and fmt else None
                 text: list[str] = []
                 first = True
-                async for chunk in stream:
+                async for chunk in stream.chunks(pacer=self.pacer):
                     if first:
                         self.telemetry.first_token(span, time.perf_counter() - t0)
                         first = False

@@ -26,6 +26,7 @@ from hotloop.v1 import session_pb2 as spb
 from hotloop_serve.config import Config, ModelConfig
 from hotloop_serve.engine.engine import Engine
 from hotloop_serve.engine.settings import SamplingSettings
+from hotloop_serve.engine.stream import StreamPacer
 from hotloop_serve.errors import InvalidArgument, NotFound, ResourceExhausted
 from hotloop_serve.serve import convert
 from hotloop_serve.serve.auth import ANONYMOUS, Authenticator
@@ -142,6 +143,8 @@ class ModelServicer:
         self.imports = PendingImports(model.limits.import_bytes_per_principal, model.limits.import_bytes_per_replica)
         self.anonymous = AnonymousSessions(model.limits.sessions_per_principal, engine.known)
         self._watches = 0
+        self.pacer = StreamPacer(config.server.stream_messages_per_s)
+        """Spaces this replica's Generate messages under load (its event loop only)."""
 
     # -- helpers -----------------------------------------------------------------------
     def _principal(self, grpc_context: Any) -> str:
@@ -520,7 +523,7 @@ class ModelServicer:
             start = functools.partial(self.engine.generate, sid, owner, messages, settings, tools)
             turn.stream = stream = await submit(start)
             first = True
-            async for chunk in stream.chunks(self.config.server.stream_coalesce_ms / 1e3):
+            async for chunk in stream.chunks(self.config.server.stream_coalesce_ms / 1e3, self.pacer):
                 if first:
                     self.telemetry.first_token(span, time.perf_counter() - t0)
                     first = False

@@ -926,6 +926,11 @@ SCHEMA_ERRORS: list[tuple[str, dict[str, Any], list[str]]] = [
 # install fail; helm 4's lint prints the message but, in its lint mode, only at INFO level.
 TEMPLATE_ERRORS: list[tuple[str, dict[str, Any], list[str]]] = [
     (
+        "synthetic engine not allowed",
+        {"hotloop": {"models": [{**BASE_MODEL, "engine": {"kind": "synthetic"}}]}},
+        ["hotloop.models[0].engine.kind", "synthetic", "allowSyntheticEngine"],
+    ),
+    (
         "autoscaling min > max",
         {"hotloop": {"models": [{**BASE_MODEL, "autoscaling": {"min_replicas": 3, "max_replicas": 2}}]}},
         ["hotloop.models[0].autoscaling", "min_replicas (3) > max_replicas (2)"],
@@ -1050,6 +1055,17 @@ def test_chart_engine_checks_agree_with_the_config(engine: dict[str, Any], tmp_p
         valid = False
     result = render_values({"hotloop": {"models": [model]}}, tmp_path)
     assert (result.returncode == 0) == valid, result.stderr
+
+
+@needs_helm
+def test_synthetic_engine_renders_only_when_allowed(tmp_path: Path) -> None:
+    """The load generator reaches serveConfigV2 only with the explicit allowSyntheticEngine."""
+    model = {**BASE_MODEL, "engine": {"kind": "synthetic", "synthetic_step_ms": 15}}
+    result = render_values({"allowSyntheticEngine": True, "hotloop": {"models": [model]}}, tmp_path)
+    assert result.returncode == 0, result.stderr
+    (rs,) = [d for d in yaml.safe_load_all(result.stdout) if d and d["kind"] == "RayService"]
+    args = yaml.safe_load(rs["spec"]["serveConfigV2"])["applications"][0]["args"]["config"]
+    assert config_from_dict(args).model("m").engine.kind == "synthetic"
 
 
 # --------------------------------------------------------------------------- the download script

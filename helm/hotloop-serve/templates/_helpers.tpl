@@ -266,6 +266,9 @@ replicas on the models' cores only (what KubeRay would derive from the limit bef
 {{- if lt $batch $hot -}}
 {{- fail (printf "hotloop.models[%d].engine (model %s): batch_tokens (%d) < hot_sessions (%d)" $i $name $batch $hot) -}}
 {{- end -}}
+{{- if and (eq ($e.kind | default "llama") "synthetic") (not $root.Values.allowSyntheticEngine) -}}
+{{- fail (printf "hotloop.models[%d].engine.kind (model %s) is synthetic: a load generator that answers every prompt with filler text, not the model; set allowSyntheticEngine: true only to benchmark the serving layer" $i $name) -}}
+{{- end -}}
 {{- if gt (int ($e.prefill_chunk | default 128)) $batch -}}
 {{- fail (printf "hotloop.models[%d].engine (model %s): prefill_chunk (%d) > batch_tokens (%d)" $i $name (int ($e.prefill_chunk | default 128)) $batch) -}}
 {{- end -}}
