@@ -17,6 +17,9 @@
 0e. one session's time between tokens (p50/p99) while 3 newcomers prefill ~1,500-token
     prompts, and the newcomers' mean TTFT, per ``step_target_ms`` (0 = fixed prefill chunk,
     the baseline): the pacing trade-off, both sides
+0g. deterministic mode (``EngineOptions.deterministic``) against the default, per-session
+    streams both (the mode requires them) and the unified default: single-stream decode,
+    8 sessions decoding, a ~1,000-token cold prompt's TTFT and a hot follow-up's
 1. raw ``llama_cpp.Llama`` single-stream decode tokens/s (the high-level baseline)
 2. engine single-stream decode tokens/s
 3. engine aggregate tokens/s with 1, 2, 4, 8 concurrent sessions
@@ -607,6 +610,32 @@ def telemetry_overhead(path: Path, tokens: int, threads: int) -> tuple[float, fl
     return off_speed, on_speed
 
 
+def deterministic_cost(path: Path, tokens: int, threads: int) -> list[dict[str, Any]]:
+    """Row 0g: what ``deterministic`` costs, each option set on a fresh engine, same run."""
+    variants = [
+        ("unified (default)", {}),
+        ("per-session streams", {"kv_layout": "per_session"}),
+        ("per-session streams, deterministic", {"kv_layout": "per_session", "deterministic": True}),
+    ]
+    rows: list[dict[str, Any]] = []
+    base: dict[str, float] = {}
+    for label, extra in variants:
+        opts = EngineOptions(threads=threads, context_tokens=16384, hot_sessions=8, **extra)  # type: ignore[arg-type]
+        greedy = SamplingSettings(temperature=0, sample_len=tokens, repeat_penalty=1.0)
+        with Engine(str(path), opts) as e:
+            figures = {
+                "single stream decode": (engine_single(e, tokens), "tok/s"),
+                "8 sessions decode": (fixed_run(e, 8, tokens, greedy, "det")[0], "tok/s"),
+            }
+            hot, cold, n = follow_up_ttft(e)
+            figures[f"cold prompt TTFT, {n} tokens"] = (cold, "ms")
+            figures["hot follow-up TTFT"] = (hot, "ms")
+        for name, (value, unit) in figures.items():
+            rows.append(row(f"0g. {name}: {label}", value, unit, base.get(name)))
+            base.setdefault(name, value)
+    return rows
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=int, default=128)
@@ -618,6 +647,7 @@ def main() -> int:
     ap.add_argument("--only-new", action="store_true", help="only the rows 0-0e (engine vs primitive, options)")
     ap.add_argument("--pacing-only", action="store_true", help="only the rows 0e (prefill pacing)")
     ap.add_argument("--tiles-only", action="store_true", help="only the rows 0f (prefill pieces vs attention tiles)")
+    ap.add_argument("--deterministic-only", action="store_true", help="only the rows 0g (deterministic mode)")
     ap.add_argument("--sampler-only", action="store_true", help="only the rows 0-0b' (engine vs primitive, sampler)")
     ap.add_argument("--json", type=Path, default=Path(__file__).parent / "results" / "engine.json")
     ns = ap.parse_args()
@@ -638,6 +668,8 @@ def main() -> int:
         return _write(ns, pacing(path, ns.threads))
     if ns.tiles_only:
         return _write(ns, prefill_tiles(path, ns.threads) + burst_by_tiles(path, ns.threads))
+    if ns.deterministic_only:
+        return _write(ns, deterministic_cost(path, ns.tokens, ns.threads))
     rows = engine_vs_primitive(path, ns.tokens, ns.threads)
     if ns.sampler_only:
         return _write(ns, rows)
@@ -645,6 +677,7 @@ def main() -> int:
     rows += ttft_during_cold_prefill(path, ns.threads)
     rows += pacing(path, ns.threads)
     rows += prefill_tiles(path, ns.threads) + burst_by_tiles(path, ns.threads)
+    rows += deterministic_cost(path, ns.tokens, ns.threads)
     if ns.only_new:
         return _write(ns, rows)
     raw = raw_llama_decode_isolated(ns.tokens, ns.threads)

@@ -102,6 +102,23 @@ class EngineOptions:
     attention costs the cells its own sequences use, where the plain path multiplies every cell
     of the unified pool (the cells of all resident sessions). Off only to compare
     (bench/replay.py); it is forced on by ``batch_invariant`` and by quantized values."""
+    deterministic: bool = False
+    """Make a reply a function of its history, settings and model alone (greedy, or sampled with
+    a fixed seed): the same whether the session's cache was decoded or prefilled, in whatever
+    chunks, restored from RAM or disk, handed over from another replica or rebuilt, and whatever
+    else shares the replica. ``batch_invariant`` is not enough for that: llama.cpp's CPU
+    kernels round a row by the shape of the batch it is in, so a token prefilled in a chunk of
+    its prompt caches other keys and values than the same token decoded, and a lone row over a
+    long cache sums its attention in per-thread parts that follow the cells in use. Here every
+    ``llama_decode`` holds 2 to 7 rows (the class in which a row's arithmetic does not depend
+    on the others; a lone row gets a ballast row of a sequence of its own), prompts are
+    prefilled 2-7 tokens a call, and each session's cells must lie in the order of its
+    positions, which only ``kv_layout: per_session`` guarantees (a unified pool places a
+    growing session in whatever cells are free; attention adds the cells up in cell order).
+    Requires ``kv_layout: per_session``; implies what ``batch_invariant`` sets on the context.
+    Costs prefill throughput (small batches; measured in bench/engine.py) and one extra
+    stream of ``context_tokens / hot_sessions`` cells for the ballast. Replicas agree only on
+    the same CPU instruction set (llama.cpp picks its kernels by CPU). docs/reliability.md."""
     kv_layout: str = "unified"
     """``unified``: one pool of ``context_tokens`` cells shared by all hot sessions (any session may
     grow to ``session_context_tokens``). ``per_session``: each hot session gets its own stream of
@@ -154,6 +171,7 @@ class EngineOptions:
             "idle_ttl_s": self.idle_ttl_s > 0,
             "persist_bytes": self.persist_bytes >= 0,
             "kv_layout": self.kv_layout in ("unified", "per_session"),
+            "deterministic": not self.deterministic or self.kv_layout == "per_session",
             "kv_type_k": self.kv_type_k in KV_TYPES,
             "kv_type_v": self.kv_type_v in KV_TYPES,
         }

@@ -155,7 +155,9 @@ class Engine:
         self.defaults = default_settings or SamplingSettings()
         self.sessions_per_owner = sessions_per_owner
         self.max_sample_len = max_sample_len
-        self.model = model or Model(model_path, gpu_layers=opts.gpu_layers, repack=not opts.batch_invariant)
+        self.model = model or Model(
+            model_path, gpu_layers=opts.gpu_layers, repack=not (opts.batch_invariant or opts.deterministic)
+        )
         meta = self.model.metadata
         per_seq = opts.context_tokens // opts.hot_sessions if opts.kv_layout == "per_session" else opts.context_tokens
         self.session_context = min(opts.session_context_tokens, meta.train_context_length or per_seq, per_seq)

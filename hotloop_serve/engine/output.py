@@ -54,7 +54,7 @@ class OutputProcessor:
             return Outcome(token, "", None, "eos")
         req.generated += 1
         if req.settings.logprobs:
-            req.sampler.record_logprob(self.ctx, logits.index, token, self.model.piece)
+            req.sampler.record_logprob(self.ctx, logits.index, token, self.model.piece, logits.row)
         text = req.assembler.feed(self.model.piece(token))
         logprobs = req.sampler.take_logprobs() if text else None
         return Outcome(token, text, logprobs, "stop" if req.assembler.stopped else None)

@@ -153,9 +153,11 @@ class Sampler:
 
     def sample(self, ctx: ll.llama_context_p, output_index: int, logits: np.ndarray | None = None) -> int:
         """Sample (and accept) a token from the logits at ``output_index`` of the last decode
-        (``logits``: that row, when the caller holds it already)."""
+        (``logits``: that row, when the caller holds it already). An ``output_index`` below 0
+        says the row is no longer in the context (a deterministic step runs several decodes,
+        ``runner.py``): everything is then read from ``logits``."""
         if self._grammar is not None:
-            return self._sample_constrained(ctx, output_index)
+            return self._sample_constrained(ctx, output_index, logits)
         if self._decisive:
             if logits is None:
                 logits = np.ctypeslib.as_array(ll.llama_get_logits_ith(ctx, output_index), shape=(self._n_vocab,))
@@ -164,6 +166,9 @@ class Sampler:
             ids = top_candidates(logits, self._decisive)
             if ids is not None:
                 return self._sample_among(ids, logits)
+        if output_index < 0:
+            assert logits is not None
+            return self._sample_among(_token_ids(self._n_vocab), logits)
         return int(ll.llama_sampler_sample(self._chain, ctx, output_index))
 
     def _sample_among(self, ids: np.ndarray, logits: np.ndarray) -> int:
@@ -181,18 +186,20 @@ class Sampler:
         ll.llama_sampler_accept(self._chain, token)
         return token
 
-    def _candidates(self, ctx: ll.llama_context_p, output_index: int) -> tuple[np.ndarray, ll.llama_token_data_array]:
+    def _candidates(
+        self, ctx: ll.llama_context_p, output_index: int, logits: np.ndarray | None = None
+    ) -> tuple[np.ndarray, ll.llama_token_data_array]:
         """The row's logits as llama.cpp's candidate array (what ``llama_sampler_sample`` builds)."""
         data = np.empty(self._n_vocab, dtype=_TOKEN_DATA)
         data["id"] = _token_ids(self._n_vocab)
-        data["logit"] = np.ctypeslib.as_array(ll.llama_get_logits_ith(ctx, output_index), shape=(self._n_vocab,))
+        data["logit"] = _row(ctx, output_index, logits, self._n_vocab)
         data["p"] = 0.0
         cur = ll.llama_token_data_array(
             data=data.ctypes.data_as(ll.llama_token_data_p), size=self._n_vocab, selected=-1, sorted=False
         )
         return data, cur
 
-    def _sample_constrained(self, ctx: ll.llama_context_p, output_index: int) -> int:
+    def _sample_constrained(self, ctx: ll.llama_context_p, output_index: int, logits: np.ndarray | None = None) -> int:
         """Grammar-constrained sampling at the cost of unconstrained sampling, mostly.
 
         The grammar sampler checks every candidate against the grammar (262,144 for Gemma:
@@ -203,14 +210,14 @@ class Sampler:
         both the chain and the grammar accept it.
         """
         assert self._grammar is not None
-        keep, cur = self._candidates(ctx, output_index)
+        keep, cur = self._candidates(ctx, output_index, logits)
         ll.llama_sampler_apply(self._chain, ctypes.byref(cur))
         token = int(cur.data[cur.selected].id)
         one = (ll.llama_token_data * 1)(ll.llama_token_data(token, 1.0, 0.0))
         single = ll.llama_token_data_array(data=one, size=1, selected=-1, sorted=False)
         ll.llama_sampler_apply(self._grammar, ctypes.byref(single))
         if one[0].logit == -math.inf:
-            keep, cur = self._candidates(ctx, output_index)
+            keep, cur = self._candidates(ctx, output_index, logits)
             ll.llama_sampler_apply(self._grammar, ctypes.byref(cur))
             ll.llama_sampler_apply(self._chain, ctypes.byref(cur))
             token = int(cur.data[cur.selected].id)
@@ -220,13 +227,18 @@ class Sampler:
         return token
 
     def record_logprob(
-        self, ctx: ll.llama_context_p, output_index: int, token: int, piece: Callable[[int], bytes]
+        self,
+        ctx: ll.llama_context_p,
+        output_index: int,
+        token: int,
+        piece: Callable[[int], bytes],
+        logits: np.ndarray | None = None,
     ) -> None:
         """Keep ``token``'s log-probability (log-softmax of the row's raw logits) and the top
         alternatives; only called for requests that asked (one pass over the vocabulary)."""
         if self._logprobs is None:
             return
-        logits = np.ctypeslib.as_array(ll.llama_get_logits_ith(ctx, output_index), shape=(self._n_vocab,))
+        logits = _row(ctx, output_index, logits, self._n_vocab)
         peak = float(logits.max())
         lse = peak + float(np.log(np.exp(logits - peak, dtype=np.float64).sum()))
         top: list[tuple[int, bytes, float]] = []
@@ -290,3 +302,11 @@ class TextAssembler:
         text = self._held + self._decoder.decode(b"", final=True)
         self._held = ""
         return text
+
+
+def _row(ctx: ll.llama_context_p, output_index: int, logits: np.ndarray | None, n_vocab: int) -> np.ndarray:
+    """The logits row: ``logits`` when the context no longer holds it (``output_index`` < 0)."""
+    if output_index < 0:
+        assert logits is not None
+        return logits
+    return np.ctypeslib.as_array(ll.llama_get_logits_ith(ctx, output_index), shape=(n_vocab,))

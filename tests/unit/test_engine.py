@@ -42,10 +42,10 @@ class RecordingRunner(ModelRunner):
             self.on_step(pieces)
         return super().execute(pieces)
 
-    def decode(self, pieces: Sequence[Piece], rows: Rows) -> float | None:
+    def decode(self, pieces: Sequence[Piece], rows: Rows, ballast: int | None = None) -> float | None:
         if self.on_decode is not None:
-            self.on_decode(pieces, rows)
-        return super().decode(pieces, rows)
+            self.on_decode(pieces, rows if ballast is None else [*rows, (-1, 0, 1)])
+        return super().decode(pieces, rows, ballast)
 
 
 def recording(
@@ -164,6 +164,32 @@ def test_rows_that_make_logits_run_apart_from_prompt_rows_when_batch_invariant(
     # token still comes out of the step that prefilled the prompt.
     assert calls[body + 1][0] == calls[body][0]
     assert calls[body + 1][1:] == (1, 1, 2)
+
+
+def test_deterministic_steps_decode_two_to_seven_rows_each_one_sequence_or_one_row_each(tiny_model: Path) -> None:
+    """Deterministic mode: every llama_decode holds 2-7 rows (a lone row gets the ballast row),
+    either a chunk of one sequence's prompt or single rows of distinct sequences; the replies
+    are those of each session alone, with 9 sessions at once (more decoders than 7 a step)."""
+    opts = EngineOptions(
+        context_tokens=4608, session_context_tokens=512, hot_sessions=9, kv_layout="per_session", deterministic=True
+    )
+    calls: list[list[tuple[int, int, int]]] = []
+    seqs: list[list[int]] = []
+
+    def logged(pieces: Sequence[Piece], rows: Rows) -> None:
+        calls.append(list(rows))
+        seqs.append([-1 if i < 0 else pieces[i].seq for i, _, _ in rows])
+
+    with Engine(str(tiny_model), opts) as alone:
+        expected = [alone.generate(f"a{i}", "a", history(i), GREEDY).result().text for i in range(9)]
+    with Engine(str(tiny_model), opts, runner=recording(on_decode=logged)) as e:
+        streams = [e.generate(f"s{i}", "a", history(i), GREEDY) for i in range(9)]
+        got = [s.result().text for s in streams]
+    assert got == expected
+    for rows, ids in zip(calls, seqs, strict=True):
+        assert 2 <= sum(n for _, _, n in rows) <= 7, (rows, ids)
+        assert len(rows) == 1 or (all(n == 1 for _, _, n in rows) and len(set(ids)) == len(ids))
+    assert any(ids[-1] == -1 for ids in seqs)  # a lone row, with its ballast
 
 
 def test_evicted_session_restores_and_continues_identically(tiny_model: Path) -> None:
