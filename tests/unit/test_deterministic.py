@@ -130,6 +130,14 @@ def test_sessions_sharing_steps_equal_each_alone(gemma_model: Path) -> None:
     assert got == want
 
 
+@pytest.mark.xfail(
+    strict=True,
+    reason="finding (issue 36): past 512 cells a lone row's flash attention sums per-thread parts "
+    "(ggml-cpu's split-KV path) and, with per-session streams, llama.cpp runs rows of non-consecutive "
+    "sequences in micro-batches of their own, so the ballast row does not always share the lone row's "
+    "call: log-probabilities move by ~0.05 (same tokens here). Fix: group single rows by consecutive "
+    "sequence ids, each with a ballast it is consecutive with.",
+)
 def test_a_long_history_decoded_alone_equals_its_reference(gemma_model: Path) -> None:
     """Past 512 cells a lone row's attention is summed in per-thread parts over the cells in
     use; a session's follow-up over ~850 tokens matches the cold history."""
