@@ -253,7 +253,31 @@ class ManagedProcess:
 # ---------------------------------------------------------------------------------------
 
 
-class HotloopServer:
+class ProcessServer:
+    """What every server under test shares: its :class:`ManagedProcess` (``_proc``, set by
+    ``start``), the pid and process the harness measures, and a stop of that process."""
+
+    _proc: ManagedProcess | None = None
+
+    @property
+    def pid(self) -> int:
+        assert self._proc is not None
+        return self._proc.proc.pid
+
+    @property
+    def process(self) -> ManagedProcess:
+        assert self._proc is not None
+        return self._proc
+
+    def stop(self) -> None:
+        if self._proc is not None:
+            self._proc.stop()
+
+    def notes(self) -> dict[str, Any]:
+        return {}
+
+
+class HotloopServer(ProcessServer):
     """``hotloop-serve run --config <tmp.yaml>`` with ``replicas`` replicas of the model.
 
     The cores are split between replicas (``threads // replicas`` each, ``num_cpus: 1``):
@@ -296,16 +320,6 @@ class HotloopServer:
     def address(self) -> str:
         return f"127.0.0.1:{self.grpc_port}"
 
-    @property
-    def pid(self) -> int:
-        assert self._proc is not None
-        return self._proc.proc.pid
-
-    @property
-    def process(self) -> ManagedProcess:
-        assert self._proc is not None
-        return self._proc
-
     def start(self, log_path: Path) -> None:
         import yaml
         from hotloop_client import Client
@@ -339,8 +353,7 @@ class HotloopServer:
         if self._client is not None:
             self._client.close()
             self._client = None
-        if self._proc is not None:
-            self._proc.stop()
+        super().stop()
         if self._config_file is not None:
             self._config_file.unlink(missing_ok=True)
 

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import REQUEST_TIMEOUT_S, Conversation, ManagedProcess, Reply, wait_http_ready
+from harness import REQUEST_TIMEOUT_S, Conversation, ManagedProcess, ProcessServer, Reply, wait_http_ready
 from workload import SessionScript, Turn, WorkloadSpec
 
 from hotloop_serve.serve.probe import free_port
@@ -79,7 +79,7 @@ def llama_server_binary(log: Path | None = None) -> Path:
     return binary
 
 
-class LlamaServer:
+class LlamaServer(ProcessServer):
     """``llama-server`` configured as a careful operator would for ``slots`` concurrent chats.
 
     - ``-np SLOTS -c SLOTS*PER_SLOT --kv-unified``: one KV pool shared by all slots (a long chat
@@ -110,16 +110,6 @@ class LlamaServer:
         self.config: dict[str, Any] = {"command": " ".join(self.args[1:]), "binary": str(self.binary)}
         self._proc: ManagedProcess | None = None
 
-    @property
-    def pid(self) -> int:
-        assert self._proc is not None
-        return self._proc.proc.pid
-
-    @property
-    def process(self) -> ManagedProcess:
-        assert self._proc is not None
-        return self._proc
-
     def start(self, log_path: Path) -> None:
         env = {**os.environ, "LD_LIBRARY_PATH": str(self.binary.parent)}
         self._proc = ManagedProcess(self.args, log_path, env=env)
@@ -142,13 +132,6 @@ class LlamaServer:
 
     def conversation(self, script: SessionScript, spec: WorkloadSpec) -> Conversation:
         return OpenAIConversation(self.port, "/v1/chat/completions", "gemma", script.seed, spec)
-
-    def stop(self) -> None:
-        if self._proc is not None:
-            self._proc.stop()
-
-    def notes(self) -> dict[str, Any]:
-        return {}
 
 
 class OpenAIConversation:
@@ -294,7 +277,7 @@ class RoundRobinProxy:
         self._server.server_close()
 
 
-class LlamaServerPair:
+class LlamaServerPair(ProcessServer):
     """Two ``llama-server`` processes (each half the cores and half the slots, flags as
     :class:`LlamaServer`) behind a :class:`RoundRobinProxy`: W4's peer. Both run under one shell
     so the harness measures their memory and CPU as one tree; the proxy's CPU is the client's."""
@@ -306,16 +289,6 @@ class LlamaServerPair:
         self.config: dict[str, Any] = {"commands": [h.config["command"] for h in self.halves]}
         self._proc: ManagedProcess | None = None
         self._proxy: RoundRobinProxy | None = None
-
-    @property
-    def pid(self) -> int:
-        assert self._proc is not None
-        return self._proc.proc.pid
-
-    @property
-    def process(self) -> ManagedProcess:
-        assert self._proc is not None
-        return self._proc
 
     def start(self, log_path: Path) -> None:
         import shlex
@@ -339,8 +312,4 @@ class LlamaServerPair:
     def stop(self) -> None:
         if self._proxy is not None:
             self._proxy.close()
-        if self._proc is not None:
-            self._proc.stop()
-
-    def notes(self) -> dict[str, Any]:
-        return {}
+        super().stop()

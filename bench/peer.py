@@ -60,6 +60,7 @@ from harness import (
     GiB,
     HotloopServer,
     ManagedProcess,
+    ProcessServer,
     Reply,
     Server,
     SystemResult,
@@ -110,7 +111,7 @@ class HotloopHttpServer(HotloopServer):
 # ---------------------------------------------------------------------------------------
 
 
-class PeerServer:
+class PeerServer(ProcessServer):
     """``python -m llama_cpp.server``, configured the way a careful user would.
 
     - ``--chat_format gemma`` (the model's own template); it drops system messages, so the
@@ -151,26 +152,12 @@ class PeerServer:
         self.config: dict[str, Any] = {"command": " ".join(self.args[1:])}
         self._proc: ManagedProcess | None = None
 
-    @property
-    def pid(self) -> int:
-        assert self._proc is not None
-        return self._proc.proc.pid
-
-    @property
-    def process(self) -> ManagedProcess:
-        assert self._proc is not None
-        return self._proc
-
     def start(self, log_path: Path) -> None:
         self._proc = ManagedProcess(self.args, log_path)
         wait_http_ready(self._proc, self.port, "/v1/models", "llama_cpp.server")
 
     def conversation(self, script: SessionScript, spec: WorkloadSpec) -> Conversation:
         return PeerConversation(self.port, script.seed, spec)
-
-    def stop(self) -> None:
-        if self._proc is not None:
-            self._proc.stop()
 
     def notes(self) -> dict[str, Any]:
         """What its prompt cache did, from its ``--verbose`` log.
