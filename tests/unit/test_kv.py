@@ -369,16 +369,21 @@ def test_ageing_lets_a_long_waiting_first_turn_go_before_newer_cheap_ones() -> N
     assert sched.running == [cold] and list(sched.waiting) == [cheap]
 
 
-def test_a_finished_reply_keeps_its_slot_for_the_sessions_next_turn_a_while() -> None:
-    """Through a proxy a client's next turn lands a while after its reply; without the kept slot a
-    queued first turn took it and the cached follow-up waited behind every first turn (issue 38)."""
+def one_token_reply(followup_slot_s: float = 0.5) -> tuple[FakeMemory, Scheduler, Session, Request]:
+    """A one-slot scheduler with slots kept for next turns, and session "a"'s one-token reply running."""
     mem = FakeMemory()
-    kv = manager(mem, seqs=8, capacity=10_000)
-    sched = make_scheduler(kv, max_running=1)
-    sched.followup_slot_s = 0.5
+    sched = make_scheduler(manager(mem, seqs=8, capacity=10_000), max_running=1)
+    sched.followup_slot_s = followup_slot_s
     a = session("a")
     first = submit(sched, a, 10, 0, sample_len=1)
     first.generated = 1
+    return mem, sched, a, first
+
+
+def test_a_finished_reply_keeps_its_slot_for_the_sessions_next_turn_a_while() -> None:
+    """Through a proxy a client's next turn lands a while after its reply; without the kept slot a
+    queued first turn took it and the cached follow-up waited behind every first turn (issue 38)."""
+    mem, sched, a, first = one_token_reply()
     assert run_step(sched, mem, {first: Outcome(5, "x", None)}) == [a]  # reply over; its tail caches next
     cold = submit(sched, session("cold"), 600, 1)
     cold.t_submit -= 60.0  # it waited long: by cost and age it would go first
@@ -390,13 +395,7 @@ def test_a_finished_reply_keeps_its_slot_for_the_sessions_next_turn_a_while() ->
 
 
 def test_a_kept_slot_is_released_when_the_next_turn_does_not_come_in_time() -> None:
-    mem = FakeMemory()
-    kv = manager(mem, seqs=8, capacity=10_000)
-    sched = make_scheduler(kv, max_running=1)
-    sched.followup_slot_s = 0.5
-    a = session("a")
-    first = submit(sched, a, 10, 0, sample_len=1)
-    first.generated = 1
+    mem, sched, a, first = one_token_reply()
     run_step(sched, mem, {first: Outcome(5, "x", None)})
     cold = submit(sched, session("cold"), 600, 1)
     run_step(sched, mem, {})
