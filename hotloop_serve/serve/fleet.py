@@ -66,6 +66,10 @@ Given = bytes | SamplingSettings | None
 class Fleet(Protocol):
     """What the servicer core asks of the other replicas (see the module docstring)."""
 
+    async def owns(self, key: str) -> bool:
+        """Whether this replica is ``key``'s owner by its own reckoning: a turn it plans for that
+        key is then served here, not through a handle call to itself."""
+
     async def create_at_owner(
         self, request: spb.CreateSessionRequest, principal: str, caller: str
     ) -> spb.Session | None:
@@ -92,6 +96,9 @@ class Fleet(Protocol):
 
 class SoloFleet:
     """A replica alone: every key is its own, no peer holds anything, nothing to tell."""
+
+    async def owns(self, key: str) -> bool:
+        return True
 
     async def create_at_owner(
         self, request: spb.CreateSessionRequest, principal: str, caller: str
@@ -209,6 +216,10 @@ class ReplicaFleet:
         others = max(await asyncio.to_thread(self._running_replicas), 1) - 1
         return [peer_address(i, self.replica_id) for i in range(others)]
 
+    async def owns(self, key: str) -> bool:
+        ranks = await self.ranks()
+        return ranks[owner_of(key, ranks)] == str(self.rank)
+
     # -- what the servicer core asks -------------------------------------------------------
     async def create_at_owner(
         self, request: spb.CreateSessionRequest, principal: str, caller: str
@@ -218,8 +229,7 @@ class ReplicaFleet:
         directly): a handle call from a replica to itself lost its reply now and then in Ray
         2.60 (the callee logged OK; the caller waited until the client's deadline), which made
         keyless CreateSession calls time out."""
-        ranks = await self.ranks()
-        if ranks[owner_of(routing_key(request.session_key), ranks)] == str(self.rank):
+        if await self.owns(routing_key(request.session_key)):
             return None
         handle = self._handle(routing_key(request.session_key))
         result: spb.Session = await as_own_request(

@@ -201,6 +201,39 @@ async def _events(cid: str, model: str, first: dict[str, Any], items: Any, inclu
         items.cancel()
 
 
+class LocalItems:
+    """A turn's items served on this replica, read like a handle's streamed response.
+
+    A turn whose conversation this replica owns runs here rather than through a handle call to
+    itself: that call needs a second request slot of the same replica while the HTTP request
+    holds one, so as many concurrent HTTP turns as half the replica's ``max_ongoing_requests``
+    filled every slot with requests waiting for slots nobody would free, and every turn hung
+    until its client gave up. (Ray's own self-calls also lost replies now and then:
+    ``fleet.ReplicaFleet.create_at_owner``.)
+    """
+
+    def __init__(self, items: AsyncIterator[Any]) -> None:
+        self._items = items
+        self._closing: asyncio.Task[None] | None = None
+
+    def __aiter__(self) -> "LocalItems":
+        return self
+
+    async def __anext__(self) -> Any:
+        return await self._items.__anext__()
+
+    def cancel(self) -> None:
+        """End the turn (the engine's request is cancelled by the generator's close)."""
+        aclose = getattr(self._items, "aclose", None)
+        if aclose is not None and self._closing is None:
+            self._closing = asyncio.ensure_future(_quietly(aclose()))
+
+
+async def _quietly(closing: Awaitable[None]) -> None:
+    with contextlib.suppress(RuntimeError):  # already closing on the task that was reading it
+        await closing
+
+
 class OpenAIApi:
     """The OpenAI-compatible HTTP API of one replica, over its servicer ``core`` (see the module
     docstring). ``app`` and ``deployment`` name the model's Ray deployment: a turn is handed to
@@ -321,6 +354,8 @@ class OpenAIApi:
         key = oa.conversation_key(principal, req.model, messages, session)
         parse = choice if tools and choice.calls else None
         call = oa.ChatCall(key, principal, messages, settings, traceparent, tools, parse)
+        if await self.core.fleet.owns(key):
+            return LocalItems(self.OpenAIChat(call))
         handle = serve.get_deployment_handle(self._deployment, self._app)
         return handle.options(stream=True, session_id=key).OpenAIChat.remote(call)
 
@@ -393,6 +428,8 @@ class OpenAIApi:
             rs.echo_of(req, tools, choice),
             traceparent,
         )
+        if await self.core.fleet.owns(key):
+            return LocalItems(self.OpenAIRespond(call))
         handle = serve.get_deployment_handle(self._deployment, self._app)
         return handle.options(stream=True, session_id=key).OpenAIRespond.remote(call)
 

@@ -11,7 +11,7 @@ from hotloop.v1 import session_pb2 as spb
 
 from hotloop_serve.engine.settings import SamplingSettings
 from hotloop_serve.serve import fleet as fleet_module
-from hotloop_serve.serve.fleet import ReplicaFleet, key_owned_by
+from hotloop_serve.serve.fleet import ReplicaFleet, SoloFleet, key_owned_by
 from hotloop_serve.serve.router import owner_of, peer_address, runner_up_of
 from hotloop_serve.serve.session_ids import SessionIds, routing_key
 
@@ -111,3 +111,15 @@ def test_the_owner_sends_settings_to_its_runner_up_by_a_key_the_runner_up_owns(h
     [(key, method, args)] = handle.calls
     assert (method, args) == ("remember_settings", ("p", sid, settings))
     assert owner_of(key, ranks) == runner_up
+
+
+def test_a_replica_owns_the_keys_the_routers_send_it_and_a_lone_one_owns_all(handle: FakeHandle) -> None:
+    """The HTTP path serves a turn here when this replica owns its key, instead of a handle call
+    to itself that needs a second request slot (issue 37's finding: concurrent HTTP turns filled
+    every slot and hung)."""
+    ranks = ["0", "1", "2"]
+    f = fleet(1)
+    assert asyncio.run(f.owns(key_owned_by(1, ranks)))
+    assert not asyncio.run(f.owns(key_owned_by(2, ranks)))
+    assert asyncio.run(SoloFleet().owns("any"))
+    assert handle.calls == []

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import pickle
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, AsyncIterator
 
 import pytest
 
@@ -92,3 +92,34 @@ def test_an_error_crosses_to_the_receiving_replica_with_its_class_code_and_field
         "SESSION_NOT_FOUND",
         "session_id",
     )
+
+
+def test_local_items_read_like_a_handle_stream_and_cancel_closes_the_turn() -> None:
+    """A turn served on its own replica (``openai_http.LocalItems``): read with ``__anext__`` and
+    ``async for`` like Ray's streamed response, and ``cancel()`` closes the generator (which ends
+    the engine's request), also after the generator finished."""
+    from hotloop_serve.serve.openai_http import LocalItems
+
+    closed: list[bool] = []
+
+    async def turn() -> AsyncIterator[int]:
+        try:
+            for i in range(3):
+                yield i
+        finally:
+            closed.append(True)
+
+    async def main() -> tuple[int, list[int]]:
+        items = LocalItems(turn())
+        first = await items.__anext__()
+        items.cancel()
+        await asyncio.sleep(0)
+        assert closed == [True]
+        rest = LocalItems(turn())
+        got = [i async for i in rest]
+        rest.cancel()
+        await asyncio.sleep(0)
+        return first, got
+
+    assert asyncio.run(main()) == (0, [0, 1, 2])
+    assert closed == [True, True]
