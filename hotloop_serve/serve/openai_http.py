@@ -53,6 +53,7 @@ from hotloop_serve.serve.responses_disk import ResponseDisk
 from hotloop_serve.serve.responses_http import collect_response, item_page, response_events
 from hotloop_serve.serve.responses_store import ResponseStore, StoredResponse
 from hotloop_serve.serve.servicer import ModelServicer
+from hotloop_serve.serve.status import known as known_error
 from hotloop_serve.serve.turns import Turn, guarded, submit
 
 log = logging.getLogger("ray.serve")
@@ -84,6 +85,7 @@ def peer_of(request: Request) -> str:
 
 
 def error_response(e: BaseException) -> JSONResponse:
+    e = known_error(e)
     if isinstance(e, HotloopError):
         status, body = oa.error_of(e)
     else:
@@ -112,6 +114,7 @@ def failed_item(e: Exception) -> HotloopError:
     """How the owner reports a failed turn to the receiving replica (``turns.guarded``): the
     error itself, as the stream's item (an item, not an exception: Ray would wrap an exception
     in its own); a bug is logged here and travels as INTERNAL without its details."""
+    e = known_error(e)
     if isinstance(e, HotloopError):
         return e
     log.exception("unexpected error serving an OpenAI API turn", exc_info=e)
@@ -229,6 +232,37 @@ class LocalItems:
             self._closing = asyncio.ensure_future(_quietly(aclose()))
 
 
+class ErrorsAsItems:
+    """A turn's items, where a failure of the call itself arrives as the error item the adapters
+    already answer (a 4xx/5xx before the first byte, an ``error`` event after it).
+
+    The owner replica of a handed-over turn can die mid-stream: Ray then raises ActorDiedError
+    from the stream, which would have broken the HTTP response (or, before the first item,
+    become a 500); it is a retryable UNAVAILABLE (``status.replica_failure``).
+    """
+
+    def __init__(self, items: Any) -> None:
+        self._items = items
+        self._failed = False
+
+    def __aiter__(self) -> "ErrorsAsItems":
+        return self
+
+    async def __anext__(self) -> Any:
+        if self._failed:
+            raise StopAsyncIteration
+        try:
+            return await self._items.__anext__()
+        except StopAsyncIteration:
+            raise
+        except Exception as e:
+            self._failed = True
+            return failed_item(e)
+
+    def cancel(self) -> None:
+        self._items.cancel()
+
+
 async def _quietly(closing: Awaitable[None]) -> None:
     with contextlib.suppress(RuntimeError):  # already closing on the task that was reading it
         await closing
@@ -331,6 +365,7 @@ class OpenAIApi:
         else:
             served = ", ".join(m.name for m in self.config.models)
             raise NotFound(f"model {model!r} not found; this server serves: {served}")
+        items = ErrorsAsItems(items)
         first = await items.__anext__()
         if isinstance(first, HotloopError):
             items.cancel()

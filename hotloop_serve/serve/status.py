@@ -14,14 +14,33 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 from google.rpc import error_details_pb2, status_pb2
 
-from hotloop_serve.errors import HotloopError, InternalError
+from hotloop_serve.errors import HotloopError, InternalError, Unavailable
 
 log = logging.getLogger(__name__)
+
+
+def replica_failure(error: BaseException) -> Unavailable | None:
+    """Ray's word that the replica a call went to died or dropped off (a peer call during a
+    hand-over, or an HTTP turn handed to its owner): the caller may retry at once, and the
+    session's runner-up takes the turn. Not a bug of ours, so never INTERNAL."""
+    from ray.exceptions import ActorUnavailableError, RayActorError
+
+    if isinstance(error, RayActorError | ActorUnavailableError):
+        return Unavailable(f"the replica serving this request failed ({type(error).__name__}); retry the request")
+    return None
+
+
+E = TypeVar("E", bound=BaseException)
+
+
+def known(error: E) -> E | Unavailable:
+    """``error``, or the :class:`HotloopError` it stands for (:func:`replica_failure`)."""
+    return replica_failure(error) or error
 
 
 def code_of(error: BaseException) -> grpc.StatusCode:
@@ -31,6 +50,7 @@ def code_of(error: BaseException) -> grpc.StatusCode:
     ``GeneratorExit`` when a stream is closed) means the caller went away: CANCELLED, and the
     servicer re-raises it rather than reply. Anything else is a bug: INTERNAL.
     """
+    error = known(error)
     if isinstance(error, HotloopError):
         return grpc.StatusCode[error.code]
     if isinstance(error, asyncio.CancelledError | GeneratorExit):
@@ -41,6 +61,7 @@ def code_of(error: BaseException) -> grpc.StatusCode:
 def to_status(error: BaseException) -> tuple[grpc.StatusCode, str]:
     """(code, details) for an error; a bug (INTERNAL) is logged with its trace, and its details
     name only its class."""
+    error = known(error)
     code = code_of(error)
     if isinstance(error, HotloopError):
         return code, error.message
@@ -81,6 +102,7 @@ def rich_status(error: BaseException, code: grpc.StatusCode, details: str) -> st
 def set_status(grpc_context: Any, error: BaseException) -> grpc.StatusCode:
     """Record the status on Ray Serve's gRPC context (the proxy sends it when the method returns),
     with its :func:`rich_status` in the ``grpc-status-details-bin`` trailer."""
+    error = known(error)
     code, details = to_status(error)
     if grpc_context is not None:
         grpc_context.set_code(code)
