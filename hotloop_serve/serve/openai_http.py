@@ -48,9 +48,12 @@ from hotloop_serve.engine.tools import ToolSpec
 from hotloop_serve.errors import HotloopError, InternalError, NotFound, ResourceExhausted, Unavailable
 from hotloop_serve.serve import openai_schema as oa
 from hotloop_serve.serve import responses_schema as rs
+from hotloop_serve.serve.fleet import TRANSFER_TIMEOUT_S
+from hotloop_serve.serve.handle_calls import as_own_request
 from hotloop_serve.serve.openai_choices import choice_settings, merge_choices
 from hotloop_serve.serve.openai_tools import ReplyCalls, chat_tools, constrain
 from hotloop_serve.serve.responses_disk import ResponseDisk
+from hotloop_serve.serve.responses_handover import ResponseParcel, pack, unpack
 from hotloop_serve.serve.responses_http import collect_response, item_page, response_events
 from hotloop_serve.serve.responses_store import ResponseStore, StoredResponse
 from hotloop_serve.serve.servicer import ModelServicer
@@ -709,17 +712,85 @@ class OpenAIApi:
 
     async def _find_response(self, response_id: str, principal: str) -> StoredResponse:
         """A stored response of ``principal``: held here, or (after a restart or a fleet change)
-        on disk under ``persist_dir``; NotFound otherwise."""
+        on disk under ``persist_dir``, or (a fleet change) on a peer, which gives its
+        conversation (``responses_handover``); NotFound otherwise."""
         try:
             return self._responses.get(response_id, principal)
         except NotFound:
-            if self._response_disk is None:
+            rec = None
+            if self._response_disk is not None:
+                rec = await asyncio.to_thread(self._response_disk.load, response_id, principal)
+            if rec is not None:
+                self._responses.put(rec)
+                return rec
+            if not await self._pull_responses(rs.key_of(response_id), principal):
                 raise
-            rec = await asyncio.to_thread(self._response_disk.load, response_id, principal)
-            if rec is None:
-                raise
-            self._responses.put(rec)
-            return rec
+            return self._responses.get(response_id, principal)
+
+    # -- stored responses between replicas (``responses_handover``) -------------------------
+    async def _pull_responses(self, key: str, principal: str) -> bool:
+        """Ask every peer at once for ``principal``'s records of conversation ``key``; whether
+        any came. A peer that does not answer in time keeps its records."""
+
+        async def ask(peer: str) -> ResponseParcel | None:
+            handle = serve.get_deployment_handle(self._deployment, self._app).options(session_id=peer)
+            try:
+                call = as_own_request(lambda: handle.give_responses.remote(key, principal))
+                given: ResponseParcel | None = await asyncio.wait_for(call, TRANSFER_TIMEOUT_S)
+                return given
+            except Exception as e:  # gone or slow: a 404 it is
+                log.info("stored responses: peer %s did not give conversation %s: %r", peer, key[:12], e)
+                return None
+
+        parcels = await asyncio.gather(*(ask(peer) for peer in await self.core.fleet.peers()))
+        got = False
+        for parcel in parcels:
+            if parcel is not None and parcel.records:
+                await self.adopt_responses(parcel)
+                got = True
+        return got
+
+    async def give_responses(self, key: str, principal: str) -> ResponseParcel | None:
+        """A peer's pull: ``principal``'s records of conversation ``key`` and their sessions,
+        forgotten here (None: none held)."""
+        if not any(r.principal == principal for r in self._responses.records_of(key)):
+            return None
+        return await asyncio.to_thread(pack, self._responses, self.engine, key, principal, set(self._http_busy))
+
+    async def adopt_responses(self, parcel: ResponseParcel) -> int:
+        """Hold a conversation's records given or handed over by a peer (and on disk, when
+        configured, under this replica's ``persist_dir``); the records taken."""
+        adopted = await asyncio.to_thread(unpack, self._responses, self.engine, parcel)
+        for sid, principal, _ in parcel.sessions:
+            if sid in adopted:
+                self._http_lru[sid] = principal  # evictable as this replica's own idle sessions
+        if self._response_disk is not None:
+            for rec in parcel.records:
+                await asyncio.to_thread(self._response_disk.save, rec)
+        return len(parcel.records)
+
+    async def hand_over_responses(self, budget_s: float) -> int:
+        """This replica is leaving: push each conversation's records (and their sessions) to its
+        key's next owner, within ``budget_s``; the records sent. Two transfers in a row that time
+        out stop it (nobody takes them)."""
+        deadline = time.monotonic() + budget_s
+        handle = serve.get_deployment_handle(self._deployment, self._app)
+        sent = timeouts = 0
+        for key in sorted(self._responses.keys()):
+            left = deadline - time.monotonic()
+            if left <= 0 or timeouts >= 2:
+                break
+            parcel = await asyncio.to_thread(pack, self._responses, self.engine, key, None, set(self._http_busy))
+            try:
+                call = handle.options(session_id=key).adopt_responses.remote(parcel)
+                sent += await asyncio.wait_for(call, min(left, TRANSFER_TIMEOUT_S))
+                timeouts = 0
+            except TimeoutError:
+                timeouts += 1
+                log.info("hand-over of conversation %s's stored responses timed out", key[:12])
+            except Exception as e:
+                log.info("hand-over of conversation %s's stored responses failed: %r", key[:12], e)
+        return sent
 
     async def _response_session(self, call: rs.RespondCall, prev: StoredResponse | None) -> str:
         """Where a response runs: a new conversation's session (as a chat's); the session of the
