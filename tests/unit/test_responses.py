@@ -262,3 +262,27 @@ def test_a_conversation_s_records_move_with_their_sessions_and_heads() -> None:
     assert taker.is_head("fork", r3) and taker.usage("alice")[0] == 3 and giver.usage("alice")[0] == 1
     unpack(taker, receiver, parcel)  # type: ignore[arg-type]
     assert taker.usage("alice")[0] == 3  # a record held already is not counted twice
+
+
+@pytest.mark.parametrize(
+    ("fields", "param", "says"),
+    [
+        ({"include": ["reasoning.encrypted_content", "nonsense"]}, "include.1", "unknown value 'nonsense'"),
+        ({"include": ["message.output_text.logprobs"]}, "include.0", "not supported"),
+        ({"conversation": "conv_123"}, "conversation", "previous_response_id"),
+        ({"conversation": {"id": "conv_123"}}, "conversation", "Conversations API"),
+    ],
+)
+def test_include_and_conversation_are_honoured_or_refused_never_dropped(
+    fields: dict[str, Any], param: str, says: str
+) -> None:
+    body = {"model": "m", "input": "hi", **fields}
+    with pytest.raises(InvalidArgument, match=says) as info:
+        rs.parse_response_request(json.dumps(body).encode())
+    assert info.value.field == param
+
+
+def test_include_values_about_items_this_server_never_makes_are_accepted() -> None:
+    known = sorted(rs.INCLUDE_NOTHING)
+    req = rs.parse_response_request(json.dumps({"model": "m", "input": "hi", "include": known}).encode())
+    assert req.include == known
