@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from typing import Any
 
 from hotloop_serve.engine.settings import MAX_SEED, SamplingSettings
@@ -43,7 +43,7 @@ def choice_settings(settings: SamplingSettings, n: int) -> list[SamplingSettings
 
 async def merge_choices(
     replies: Sequence[AsyncIterator[dict[str, Any]]], prompt_cache: dict[str, int]
-) -> AsyncIterator[dict[str, Any]]:
+) -> AsyncGenerator[dict[str, Any], None]:
     """The replies' items as they arrive, each tagged with its ``index``.
 
     Each reply's last item has ``finish_reason``, ``usage`` and ``hotloop``; here only the turn's

@@ -578,12 +578,12 @@ class OpenAIApi:
                     turn.stream = stream = await self._start(
                         sid, call.principal, call.messages, call.settings, call.tools
                     )
-                    async for item in self._reply_items(stream, call, span, first_token):
+                    replies = self._reply_items(stream, call, span, first_token)
+                else:
+                    replies = await self._choices(sid, call, turn, span, first_token, forks)
+                async with contextlib.aclosing(replies) as items:  # its tasks end before the forks close
+                    async for item in items:
                         yield item
-                    return
-                replies = await self._choices(sid, call, turn, span, first_token, forks)
-                async for item in replies:
-                    yield item
         finally:
             if sid is not None:
                 self._http_busy.discard(sid)
@@ -638,7 +638,7 @@ class OpenAIApi:
         span: Any,
         first_token: Callable[[], None],
         forks: list[str],
-    ) -> AsyncIterator[dict[str, Any]]:
+    ) -> AsyncGenerator[dict[str, Any], None]:
         """``call.n`` choices (``openai_choices``): the prompt prefilled once into ``sid``, forked
         into new sessions (named in ``forks``, for the caller to close), then n requests at once."""
         principal = call.principal
