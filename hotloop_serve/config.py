@@ -116,8 +116,9 @@ class ModelConfig(_Strict):
     """A Jinja chat template overriding the model's own (and the built-in fallback)."""
     graceful_shutdown_timeout_s: Annotated[float, Field(ge=0)] = 20.0
     handover: bool = True
-    """A leaving replica hands its cached sessions to their next owners (within 60% of
-    graceful_shutdown_timeout_s), and a joining one fetches those it now owns on first use."""
+    """A leaving replica hands its stored responses and cached sessions to their next owners
+    (within 60% of graceful_shutdown_timeout_s), and a joining one fetches those it now owns
+    on first use."""
 
     @model_validator(mode="after")
     def _defaults_within_limits(self) -> ModelConfig:

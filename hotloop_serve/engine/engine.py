@@ -328,13 +328,15 @@ class Engine:
         owner: str,
         messages: Sequence[ChatMessage],
         settings: SamplingSettings | None = None,
+        tools: Sequence[ToolSpec] = (),
     ) -> RequestStream:
-        """Prefill ``messages`` into the session's cache without generating.
+        """Prefill ``messages`` (and the ``tools`` offered, as :meth:`generate` renders them) into
+        the session's cache without generating.
 
         Warmup only adds: if the cache already starts with these messages (a system prompt
         warmed up again mid-conversation), nothing is cut.
         """
-        return self._submit(RequestKind.WARMUP, session_id, owner, messages, settings)
+        return self._submit(RequestKind.WARMUP, session_id, owner, messages, settings, tools)
 
     def fork_session(
         self,

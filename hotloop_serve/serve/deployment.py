@@ -24,6 +24,7 @@ import contextlib
 import dataclasses
 import logging
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -145,6 +146,8 @@ class ModelReplica:
     give_session = _part("fleet", "give_session")
     adopt_session = _part("fleet", "adopt_session")
     remember_settings = _part("fleet", "remember_settings")
+    give_responses = _part("http", "give_responses")
+    adopt_responses = _part("http", "adopt_responses")
 
     # -- OpenAI turns handed to their conversation's owner (or to another model's app) -------
     OpenAIChat = _part("http", "OpenAIChat")
@@ -226,9 +229,11 @@ class ModelReplica:
             engine = core.engine
             if core.model.handover and engine.alive:
                 budget = core.model.graceful_shutdown_timeout_s * 0.6
-                try:
-                    moved = await self.fleet.hand_over(budget)
-                    log.info("handed %d sessions over to their next owners", moved)
+                try:  # stored responses first: their records may be the only copy, sessions are caches
+                    t0 = time.monotonic()
+                    sent = await self.http.hand_over_responses(budget / 2) if await self.fleet.others_running() else 0
+                    moved = await self.fleet.hand_over(budget - (time.monotonic() - t0))
+                    log.info("handed %d stored responses and %d sessions over to their next owners", sent, moved)
                 except Exception:
                     log.exception("session hand-over failed")
             await asyncio.to_thread(engine.close)

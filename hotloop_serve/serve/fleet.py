@@ -93,6 +93,9 @@ class Fleet(Protocol):
     async def running_replicas(self) -> dict[str, int]:
         """Replicas running now, by model (empty: not known)."""
 
+    async def peers(self) -> list[str]:
+        """Routing keys addressing each other running replica of this model (none: alone)."""
+
 
 class SoloFleet:
     """A replica alone: every key is its own, no peer holds anything, nothing to tell."""
@@ -122,6 +125,9 @@ class SoloFleet:
 
     async def running_replicas(self) -> dict[str, int]:
         return {}
+
+    async def peers(self) -> list[str]:
+        return []
 
 
 def running_by_app() -> dict[str, int]:
@@ -215,6 +221,14 @@ class ReplicaFleet:
         """Routing keys addressing each other running replica (:func:`router.peer_address`)."""
         others = max(await asyncio.to_thread(self._running_replicas), 1) - 1
         return [peer_address(i, self.replica_id) for i in range(others)]
+
+    async def peers(self) -> list[str]:
+        return await self._peers()
+
+    async def others_running(self) -> bool:
+        """Whether any replica of this model still runs (none: its app is being deleted, and
+        there is nobody to hand anything to)."""
+        return bool(await asyncio.to_thread(self._running_replicas))
 
     async def owns(self, key: str) -> bool:
         ranks = await self.ranks()

@@ -48,8 +48,12 @@ from hotloop_serve.engine.tools import ToolSpec
 from hotloop_serve.errors import HotloopError, InternalError, NotFound, ResourceExhausted, Unavailable
 from hotloop_serve.serve import openai_schema as oa
 from hotloop_serve.serve import responses_schema as rs
+from hotloop_serve.serve.fleet import TRANSFER_TIMEOUT_S
+from hotloop_serve.serve.handle_calls import as_own_request
+from hotloop_serve.serve.openai_choices import choice_settings, merge_choices
 from hotloop_serve.serve.openai_tools import ReplyCalls, chat_tools, constrain
 from hotloop_serve.serve.responses_disk import ResponseDisk
+from hotloop_serve.serve.responses_handover import ResponseParcel, pack, unpack
 from hotloop_serve.serve.responses_http import collect_response, item_page, response_events
 from hotloop_serve.serve.responses_store import ResponseStore, StoredResponse
 from hotloop_serve.serve.servicer import ModelServicer
@@ -141,57 +145,81 @@ def _call_deltas(pieces: list[dict[str, Any]]) -> dict[str, Any]:
     return {"tool_calls": out}
 
 
-async def _collect(cid: str, model: str, first: dict[str, Any], items: Any) -> Response:
-    """A non-streaming reply: every item joined into one ``chat.completion``."""
-    text: list[str] = []
-    calls: list[dict[str, Any]] = []
-    logprobs: list[dict[str, Any]] | None = None
+class _Reply:
+    """One choice of a non-streamed reply, joined from its items."""
+
+    def __init__(self) -> None:
+        self.text: list[str] = []
+        self.calls: list[dict[str, Any]] = []
+        self.logprobs: list[dict[str, Any]] | None = None
+        self.finish = "stop"
+
+    def add(self, item: dict[str, Any]) -> None:
+        self.text.append(item["text"])
+        if "tool_calls" in item:
+            _join_calls(self.calls, item["tool_calls"])
+        if "logprobs" in item:
+            self.logprobs = self.logprobs or []
+            self.logprobs.extend(item["logprobs"])
+        if "finish_reason" in item:
+            self.finish = item["finish_reason"]
+
+    def choice(self, index: int) -> dict[str, Any]:
+        text = "".join(self.text)
+        message: dict[str, Any] = (
+            {"content": text or None, "tool_calls": self.calls} if self.calls else {"content": text}
+        )
+        return oa.choice_json(index, message, self.finish, self.logprobs)
+
+
+async def _collect(cid: str, model: str, n: int, first: dict[str, Any], items: Any) -> Response:
+    """A non-streaming reply: every item joined into one ``chat.completion`` of ``n`` choices
+    (an item's ``index`` says whose; the turn's last item is the one with ``usage``)."""
+    replies = [_Reply() for _ in range(n)]
     item = first
     try:
         while True:
             if isinstance(item, HotloopError):
                 return error_response(item)
-            text.append(item["text"])
-            if "tool_calls" in item:
-                _join_calls(calls, item["tool_calls"])
-            if "logprobs" in item:
-                logprobs = logprobs or []
-                logprobs.extend(item["logprobs"])
-            if "finish_reason" in item:
+            replies[item.get("index", 0)].add(item)
+            if "usage" in item:
                 break
             item = await items.__anext__()
     finally:  # the client left (Ray cancels this task), or an error: stop the turn on its replica
         items.cancel()
-    body = oa.completion_json(cid, model, "".join(text), item["finish_reason"], logprobs, item["usage"])
-    if calls:
-        message = body["choices"][0]["message"]
-        message["tool_calls"] = calls
-        message["content"] = message["content"] or None
+    body = oa.completion_json(cid, model, [r.choice(i) for i, r in enumerate(replies)], item["usage"])
     body["hotloop"] = item["hotloop"]
     return JSONResponse(body)
 
 
-async def _events(cid: str, model: str, first: dict[str, Any], items: Any, include_usage: bool) -> AsyncIterator[bytes]:
-    """Server-sent events: a role delta, content deltas, the finish reason, usage if asked, [DONE].
-    An error after the stream started is an ``{"error": ...}`` event (the OpenAI SDKs raise it)."""
+async def _events(
+    cid: str, model: str, n: int, first: dict[str, Any], items: Any, include_usage: bool
+) -> AsyncIterator[bytes]:
+    """Server-sent events: each choice's role delta, content deltas and finish reason (its
+    ``index`` on each chunk), usage if asked, [DONE]. An error after the stream started is an
+    ``{"error": ...}`` event (the OpenAI SDKs raise it)."""
     created = int(time.time())
     try:
-        yield _sse(oa.chunk_json(cid, model, created, {"role": "assistant", "content": ""}))
+        for i in range(n):
+            yield _sse(oa.chunk_json(cid, model, created, {"role": "assistant", "content": ""}, index=i))
         item = first
         while True:
             if isinstance(item, HotloopError):
                 _, body = oa.error_of(item)
                 yield _sse(body)
                 return
+            i = item.get("index", 0)
             lp = item.get("logprobs")
             if item["text"] or lp:
-                yield _sse(oa.chunk_json(cid, model, created, {"content": item["text"]}, logprobs=lp))
+                yield _sse(oa.chunk_json(cid, model, created, {"content": item["text"]}, logprobs=lp, index=i))
             if "tool_calls" in item:
-                yield _sse(oa.chunk_json(cid, model, created, _call_deltas(item["tool_calls"])))
+                yield _sse(oa.chunk_json(cid, model, created, _call_deltas(item["tool_calls"]), index=i))
             if "finish_reason" in item:
-                last = oa.chunk_json(cid, model, created, {}, item["finish_reason"])
-                last["hotloop"] = item["hotloop"]
+                last = oa.chunk_json(cid, model, created, {}, item["finish_reason"], index=i)
+                if "usage" in item:
+                    last["hotloop"] = item["hotloop"]
                 yield _sse(last)
+            if "usage" in item:
                 if include_usage:
                     chunk = oa.chunk_json(cid, model, created, {})
                     chunk["choices"] = []
@@ -284,6 +312,7 @@ class OpenAIApi:
         self._app, self._deployment = app, deployment
         self._http_busy: set[str] = set()
         self._http_lru: OrderedDict[str, str] = OrderedDict()  # session id -> principal, oldest first
+        self._closing: set[asyncio.Future[None]] = set()  # choices' sessions being closed
         limits = self.model.limits
         self._responses = ResponseStore(limits.responses_per_principal, limits.response_bytes_per_principal)
         persist_dir = self.engine.options.persist_dir
@@ -345,11 +374,11 @@ class OpenAIApi:
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return StreamingResponse(
-                _events(cid, req.model, first, items, include_usage),
+                _events(cid, req.model, req.n or 1, first, items, include_usage),
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
             )
-        return await _collect(cid, req.model, first, items)
+        return await _collect(cid, req.model, req.n or 1, first, items)
 
     async def _open_turn(
         self, model: str, here: Callable[[], Awaitable[Any]], forward: str, *args: Any
@@ -388,7 +417,7 @@ class OpenAIApi:
             settings = await asyncio.to_thread(constrain, settings, fmt, tools, choice, parallel)
         key = oa.conversation_key(principal, req.model, messages, session)
         parse = choice if tools and choice.calls else None
-        call = oa.ChatCall(key, principal, messages, settings, traceparent, tools, parse)
+        call = oa.ChatCall(key, principal, messages, settings, traceparent, tools, parse, req.n or 1)
         if await self.core.fleet.owns(key):
             return LocalItems(self.OpenAIChat(call))
         handle = serve.get_deployment_handle(self._deployment, self._app)
@@ -541,8 +570,12 @@ class OpenAIApi:
         messages: list[ChatMessage],
         settings: SamplingSettings,
         tools: tuple[ToolSpec, ...],
+        warmup: bool = False,
     ) -> RequestStream:
-        start = functools.partial(self.engine.generate, sid, principal, messages, settings, tools)
+        """A reply (or with ``warmup``, only the prompt's prefill) in session ``sid``; a new
+        session past the principal's limit evicts the principal's least recently used idle one."""
+        start = functools.partial(self.engine.warmup if warmup else self.engine.generate, sid, principal, messages,
+                                  settings, tools)  # fmt: skip
         try:
             return await submit(start)
         except ResourceExhausted:
@@ -569,43 +602,126 @@ class OpenAIApi:
 
     async def _chat(self, call: oa.ChatCall, turn: Turn) -> AsyncGenerator[dict[str, Any], None]:
         sid: str | None = None
+        forks: list[str] = []
         try:
             with self.telemetry.rpc("ChatCompletions", _TraceContext(call.traceparent)) as span:
                 sid = self._pick_session(call.session_key, call.principal)
                 self._use_session(sid, call.principal)
                 span.set_attribute("hotloop.session_id", sid)
-                t0 = time.perf_counter()
-                turn.stream = stream = await self._start(sid, call.principal, call.messages, call.settings, call.tools)
-                fmt = self.engine.template.tool_format
-                calls = ReplyCalls(fmt, call.tools, call.tool_choice) if call.tool_choice and fmt else None
-                first = True
-                async for chunk in stream.chunks(pacer=self.pacer):
-                    if first:
-                        self.telemetry.first_token(span, time.perf_counter() - t0)
-                        first = False
-                    item: dict[str, Any] = (
-                        calls.item(chunk.text, chunk.final) if calls is not None else {"text": chunk.text}
+                first_token = self._first_token(span)
+                if call.n == 1:
+                    turn.stream = stream = await self._start(
+                        sid, call.principal, call.messages, call.settings, call.tools
                     )
-                    if chunk.logprobs is not None:
-                        item["logprobs"] = [oa.logprob_json(lp) for lp in chunk.logprobs]
-                    if chunk.final:
-                        self.telemetry.record_usage(span, chunk, "Generate")
-                        u = chunk.usage
-                        assert u is not None and chunk.finish_reason is not None
-                        reason = oa.FINISH_REASONS[chunk.finish_reason]
-                        if calls is not None:
-                            reason = calls.finish_reason(chunk.finish_reason, reason)
-                        item["finish_reason"] = reason
-                        item["usage"] = {
-                            "prompt_tokens": u.prompt_tokens,
-                            "completion_tokens": u.completion_tokens,
-                            "cached_tokens": u.cached_tokens + u.restored_tokens,
-                        }
-                        item["hotloop"] = oa.hotloop_json(chunk, self.served_by)
-                    yield item
+                    replies = self._reply_items(stream, call, span, first_token)
+                else:
+                    replies = await self._choices(sid, call, turn, span, first_token, forks)
+                async with contextlib.aclosing(replies) as items:  # its tasks end before the forks close
+                    async for item in items:
+                        yield item
         finally:
             if sid is not None:
                 self._http_busy.discard(sid)
+            if forks:  # the other choices' sessions: the conversation goes on in ``sid``
+                self._close_later(forks, call.principal)
+
+    def _first_token(self, span: Any) -> Callable[[], None]:
+        """Records the turn's time to first token once (the first token of any of its choices)."""
+        t0, seen = time.perf_counter(), False
+
+        def mark() -> None:
+            nonlocal seen
+            if not seen:
+                seen = True
+                self.telemetry.first_token(span, time.perf_counter() - t0)
+
+        return mark
+
+    async def _reply_items(
+        self, stream: RequestStream, call: oa.ChatCall, span: Any, first_token: Callable[[], None]
+    ) -> AsyncGenerator[dict[str, Any], None]:
+        """One reply's items: ``{"text", "logprobs", "tool_calls"}``, the last with
+        ``finish_reason``, ``usage`` and ``hotloop``."""
+        fmt = self.engine.template.tool_format
+        calls = ReplyCalls(fmt, call.tools, call.tool_choice) if call.tool_choice and fmt else None
+        async for chunk in stream.chunks(pacer=self.pacer):
+            first_token()
+            item: dict[str, Any] = calls.item(chunk.text, chunk.final) if calls is not None else {"text": chunk.text}
+            if chunk.logprobs is not None:
+                item["logprobs"] = [oa.logprob_json(lp) for lp in chunk.logprobs]
+            if chunk.final:
+                self.telemetry.record_usage(span, chunk, "Generate")
+                u = chunk.usage
+                assert u is not None and chunk.finish_reason is not None
+                reason = oa.FINISH_REASONS[chunk.finish_reason]
+                if calls is not None:
+                    reason = calls.finish_reason(chunk.finish_reason, reason)
+                item["finish_reason"] = reason
+                item["usage"] = {
+                    "prompt_tokens": u.prompt_tokens,
+                    "completion_tokens": u.completion_tokens,
+                    "cached_tokens": u.cached_tokens + u.restored_tokens,
+                }
+                item["hotloop"] = oa.hotloop_json(chunk, self.served_by)
+            yield item
+
+    async def _choices(
+        self,
+        sid: str,
+        call: oa.ChatCall,
+        turn: Turn,
+        span: Any,
+        first_token: Callable[[], None],
+        forks: list[str],
+    ) -> AsyncGenerator[dict[str, Any], None]:
+        """``call.n`` choices (``openai_choices``): the prompt prefilled once into ``sid``, forked
+        into new sessions (named in ``forks``, for the caller to close), then n requests at once."""
+        principal = call.principal
+        warm = await self._start(sid, principal, call.messages, call.settings, call.tools, warmup=True)
+        turn.others.append(warm)
+        prompt = await warm.aresult()
+        self.telemetry.record_usage(span, prompt, "Warmup")
+        assert prompt.usage is not None
+        u = prompt.usage
+        prompt_cache = {
+            "cached_tokens": u.cached_tokens,
+            "restored_tokens": u.restored_tokens,
+            "prefilled_tokens": u.prefilled_tokens,
+        }
+        for _ in range(call.n - 1):
+            fork = self.ids.new(principal, f"{call.session_key}-n{secrets.token_urlsafe(6)}")
+            forks.append(fork)
+            await self._fork(sid, principal, fork)
+        replies = []
+        for session, settings in zip([sid, *forks], choice_settings(call.settings, call.n), strict=True):
+            stream = await self._start(session, principal, call.messages, settings, call.tools)
+            turn.others.append(stream)
+            replies.append(self._reply_items(stream, call, span, first_token))
+        return merge_choices(replies, prompt_cache)
+
+    async def _fork(self, sid: str, principal: str, fork: str) -> None:
+        """A choice's session, starting with the prompt's cache; past the principal's session
+        limit its least recently used idle session makes room (else the limit's 429)."""
+        fork_it = functools.partial(self.engine.fork_session, sid, principal, fork)
+        try:
+            await asyncio.to_thread(fork_it)
+        except ResourceExhausted:
+            if not await self._evict_idle_session(principal):
+                raise
+            await asyncio.to_thread(fork_it)
+
+    def _close_later(self, sessions: list[str], principal: str) -> None:
+        """Close sessions off the event loop, without holding up the turn's end (a close
+        cancels what still runs in them: a choice of a turn whose client left)."""
+
+        def close() -> None:
+            for session in sessions:
+                with contextlib.suppress(HotloopError):
+                    self.engine.close_session(session, principal)
+
+        task = asyncio.ensure_future(asyncio.to_thread(close))
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
 
     async def OpenAIStored(
         self, principal: str, response_id: str, op: str, params: dict[str, Any]
@@ -631,17 +747,85 @@ class OpenAIApi:
 
     async def _find_response(self, response_id: str, principal: str) -> StoredResponse:
         """A stored response of ``principal``: held here, or (after a restart or a fleet change)
-        on disk under ``persist_dir``; NotFound otherwise."""
+        on disk under ``persist_dir``, or (a fleet change) on a peer, which gives its
+        conversation (``responses_handover``); NotFound otherwise."""
         try:
             return self._responses.get(response_id, principal)
         except NotFound:
-            if self._response_disk is None:
+            rec = None
+            if self._response_disk is not None:
+                rec = await asyncio.to_thread(self._response_disk.load, response_id, principal)
+            if rec is not None:
+                self._responses.put(rec)
+                return rec
+            if not await self._pull_responses(rs.key_of(response_id), principal):
                 raise
-            rec = await asyncio.to_thread(self._response_disk.load, response_id, principal)
-            if rec is None:
-                raise
-            self._responses.put(rec)
-            return rec
+            return self._responses.get(response_id, principal)
+
+    # -- stored responses between replicas (``responses_handover``) -------------------------
+    async def _pull_responses(self, key: str, principal: str) -> bool:
+        """Ask every peer at once for ``principal``'s records of conversation ``key``; whether
+        any came. A peer that does not answer in time keeps its records."""
+
+        async def ask(peer: str) -> ResponseParcel | None:
+            handle = serve.get_deployment_handle(self._deployment, self._app).options(session_id=peer)
+            try:
+                call = as_own_request(lambda: handle.give_responses.remote(key, principal))
+                given: ResponseParcel | None = await asyncio.wait_for(call, TRANSFER_TIMEOUT_S)
+                return given
+            except Exception as e:  # gone or slow: a 404 it is
+                log.info("stored responses: peer %s did not give conversation %s: %r", peer, key[:12], e)
+                return None
+
+        parcels = await asyncio.gather(*(ask(peer) for peer in await self.core.fleet.peers()))
+        got = False
+        for parcel in parcels:
+            if parcel is not None and parcel.records:
+                await self.adopt_responses(parcel)
+                got = True
+        return got
+
+    async def give_responses(self, key: str, principal: str) -> ResponseParcel | None:
+        """A peer's pull: ``principal``'s records of conversation ``key`` and their sessions,
+        forgotten here (None: none held)."""
+        if not any(r.principal == principal for r in self._responses.records_of(key)):
+            return None
+        return await asyncio.to_thread(pack, self._responses, self.engine, key, principal, set(self._http_busy))
+
+    async def adopt_responses(self, parcel: ResponseParcel) -> int:
+        """Hold a conversation's records given or handed over by a peer (and on disk, when
+        configured, under this replica's ``persist_dir``); the records taken."""
+        adopted = await asyncio.to_thread(unpack, self._responses, self.engine, parcel)
+        for sid, principal, _ in parcel.sessions:
+            if sid in adopted:
+                self._http_lru[sid] = principal  # evictable as this replica's own idle sessions
+        if self._response_disk is not None:
+            for rec in parcel.records:
+                await asyncio.to_thread(self._response_disk.save, rec)
+        return len(parcel.records)
+
+    async def hand_over_responses(self, budget_s: float) -> int:
+        """This replica is leaving: push each conversation's records (and their sessions) to its
+        key's next owner, within ``budget_s``; the records sent. Two transfers in a row that time
+        out stop it (nobody takes them)."""
+        deadline = time.monotonic() + budget_s
+        handle = serve.get_deployment_handle(self._deployment, self._app)
+        sent = timeouts = 0
+        for key in sorted(self._responses.keys()):
+            left = deadline - time.monotonic()
+            if left <= 0 or timeouts >= 2:
+                break
+            parcel = await asyncio.to_thread(pack, self._responses, self.engine, key, None, set(self._http_busy))
+            try:
+                call = handle.options(session_id=key).adopt_responses.remote(parcel)
+                sent += await asyncio.wait_for(call, min(left, TRANSFER_TIMEOUT_S))
+                timeouts = 0
+            except TimeoutError:
+                timeouts += 1
+                log.info("hand-over of conversation %s's stored responses timed out", key[:12])
+            except Exception as e:
+                log.info("hand-over of conversation %s's stored responses failed: %r", key[:12], e)
+        return sent
 
     async def _response_session(self, call: rs.RespondCall, prev: StoredResponse | None) -> str:
         """Where a response runs: a new conversation's session (as a chat's); the session of the

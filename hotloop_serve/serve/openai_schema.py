@@ -1,9 +1,10 @@
 """OpenAI's chat-completions request and response shapes, and their mapping onto the engine.
 
 Only what hotloop-serve honours is modelled; other fields a client sends are ignored, except
-those whose silent dropping would change the reply (``n`` > 1, non-zero presence or frequency
-penalties), which are refused with a 400 naming them. Tools: ``openai_tools.py``. Nothing here does I/O:
-``openai_http.py`` is the HTTP layer.
+those whose silent dropping would change the reply (non-zero presence or frequency penalties,
+``n`` beyond :data:`MAX_CHOICES`), which are refused with a 400 naming them. Tools:
+``openai_tools.py``; ``n`` > 1: ``openai_choices.py``. Nothing here does I/O: ``openai_http.py``
+is the HTTP layer.
 
 Mapping (OpenAI -> ``SamplingSettings``): ``max_completion_tokens`` / ``max_tokens`` ->
 ``sample_len``; ``temperature``, ``top_p``, ``seed``, ``stop`` as they are; ``response_format``
@@ -29,6 +30,10 @@ from hotloop_serve.engine.settings import SamplingSettings
 from hotloop_serve.engine.stream import Chunk, TokenLogprob
 from hotloop_serve.engine.tools import ToolCall, ToolChoice, ToolSpec
 from hotloop_serve.errors import HotloopError, InvalidArgument
+
+MAX_CHOICES = 8
+"""The most choices (``n``) one request may ask for: each runs as its own engine request, in
+its own session forked from the prompt's, so ``n`` is bounded like a client's concurrency."""
 
 SESSION_HEADER = "x-session-id"
 """Request header naming a conversation explicitly (any string up to :data:`MAX_SESSION_HEADER`
@@ -188,8 +193,8 @@ def messages_of(req: ChatCompletionRequest, max_messages: int) -> list[ChatMessa
 
 def settings_of(req: ChatCompletionRequest, defaults: SamplingSettings) -> SamplingSettings:
     """The request's sampling settings layered over the model's defaults; refuses what it cannot honour."""
-    if req.n not in (None, 1):
-        raise InvalidArgument("n: only n=1 is supported", field="n")
+    if req.n is not None and not 1 <= req.n <= MAX_CHOICES:
+        raise InvalidArgument(f"n: must be between 1 and {MAX_CHOICES}, got {req.n}", field="n")
     for name in ("presence_penalty", "frequency_penalty"):
         if getattr(req, name):
             raise InvalidArgument(f"{name}: not supported; use repeat_penalty (and repeat_last_n)", field=name)
@@ -276,6 +281,8 @@ class ChatCall:
     """Rendered into the prompt by the model's template (whatever ``tool_choice`` says)."""
     tool_choice: ToolChoice | None = None
     """When the reply may hold calls (the settings' grammar constrains them): parse them."""
+    n: int = 1
+    """Choices to generate from the prompt (``openai_choices.py``); their items carry ``index``."""
 
 
 # ------------------------------------------------------------------------------- response
@@ -328,23 +335,26 @@ def usage_json(usage: dict[str, int]) -> dict[str, Any]:
     }
 
 
-def completion_json(
-    cid: str, model: str, text: str, finish: str, logprobs: list[dict[str, Any]] | None, usage: dict[str, int]
+def choice_json(
+    index: int, message: dict[str, Any], finish: str, logprobs: list[dict[str, Any]] | None
 ) -> dict[str, Any]:
+    """One choice of a ``chat.completion``: ``message`` is the assistant's (content, tool calls)."""
+    return {
+        "index": index,
+        "message": {"role": "assistant", "refusal": None, **message},
+        "logprobs": {"content": logprobs, "refusal": None} if logprobs is not None else None,
+        "finish_reason": finish,
+    }
+
+
+def completion_json(cid: str, model: str, choices: list[dict[str, Any]], usage: dict[str, int]) -> dict[str, Any]:
     return {
         "id": cid,
         "object": "chat.completion",
         "created": int(time.time()),
         "model": model,
         "system_fingerprint": None,
-        "choices": [
-            {
-                "index": 0,
-                "message": {"role": "assistant", "content": text, "refusal": None},
-                "logprobs": {"content": logprobs, "refusal": None} if logprobs is not None else None,
-                "finish_reason": finish,
-            }
-        ],
+        "choices": choices,
         "usage": usage_json(usage),
     }
 
@@ -356,6 +366,7 @@ def chunk_json(
     delta: dict[str, Any],
     finish: str | None = None,
     logprobs: list[dict[str, Any]] | None = None,
+    index: int = 0,
 ) -> dict[str, Any]:
     return {
         "id": cid,
@@ -365,7 +376,7 @@ def chunk_json(
         "system_fingerprint": None,
         "choices": [
             {
-                "index": 0,
+                "index": index,
                 "delta": delta,
                 "logprobs": {"content": logprobs, "refusal": None} if logprobs is not None else None,
                 "finish_reason": finish,

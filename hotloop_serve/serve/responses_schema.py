@@ -98,6 +98,42 @@ class ResponseRequest(_Model):
     truncation: Literal["auto", "disabled"] | None = None
     metadata: dict[str, str] | None = None
     user: str | None = None
+    include: list[str] | None = None
+    conversation: Any = None
+    """Not modelled: refused (:func:`check_unmodelled`) rather than ignored, which would lose
+    the state the client expects the server to keep."""
+
+
+INCLUDE_NOTHING = frozenset(
+    {
+        "web_search_call.action.sources",
+        "web_search_call.results",
+        "code_interpreter_call.outputs",
+        "computer_call_output.output.image_url",
+        "file_search_call.results",
+        "message.input_image.image_url",
+        "reasoning.encrypted_content",
+    }
+)
+"""``include`` values accepted and ignored: they add data to items this server never produces
+(built-in tools' calls, images, reasoning), so including them changes nothing."""
+
+
+def check_unmodelled(req: ResponseRequest) -> None:
+    """Refuse, naming the field, what this server does not model and a client relies on:
+    an ``include`` it cannot honour, ``conversation`` (the Conversations API)."""
+    for i, value in enumerate(req.include or ()):
+        if value == "message.output_text.logprobs":
+            raise InvalidArgument(
+                f"include.{i}: {value!r} is not supported here (chat completions have logprobs)", field=f"include.{i}"
+            )
+        if value not in INCLUDE_NOTHING:
+            raise InvalidArgument(f"include.{i}: unknown value {value!r}", field=f"include.{i}")
+    if req.conversation is not None:
+        raise InvalidArgument(
+            "conversation: the Conversations API is not supported; continue with previous_response_id",
+            field="conversation",
+        )
 
 
 def parse_response_request(body: bytes) -> ResponseRequest:
@@ -106,11 +142,13 @@ def parse_response_request(body: bytes) -> ResponseRequest:
     if not isinstance(data, dict):
         raise InvalidArgument("the request body must be a JSON object")
     try:
-        return ResponseRequest.model_validate(data)
+        req = ResponseRequest.model_validate(data)
     except ValidationError as e:
         first = e.errors()[0]
         where = ".".join(str(p) for p in first["loc"])
         raise InvalidArgument(f"{where}: {first['msg']}", field=where) from e
+    check_unmodelled(req)
+    return req
 
 
 def key_of(response_id: str) -> str:
@@ -208,6 +246,12 @@ def conversation_of(
             )
         elif item.type == "reasoning":
             continue  # this server produces none; a client replaying another model's may send them
+        elif item.type == "item_reference":
+            raise InvalidArgument(
+                f"{where}.type: item_reference input items are not supported; send the item itself, "
+                "or continue its response with previous_response_id",
+                field=f"{where}.type",
+            )
         else:
             raise InvalidArgument(
                 f"{where}.type: {item.type!r} input items are not supported "

@@ -23,6 +23,7 @@ from typing import Any
 
 from hotloop_serve.engine.chat_template import ChatMessage
 from hotloop_serve.errors import NotFound, ResourceExhausted
+from hotloop_serve.serve.responses_schema import key_of
 
 
 @dataclass(slots=True)
@@ -107,3 +108,31 @@ class ResponseStore:
 
     def usage(self, principal: str) -> tuple[int, int]:
         return self._count[principal], self._bytes[principal]
+
+    def records_of(self, key: str) -> list[StoredResponse]:
+        """The records of conversation ``key``, of every principal."""
+        return [r for r in self._records.values() if key_of(r.id) == key]
+
+    def keys(self) -> set[str]:
+        """The conversation keys of the records held (what a hand-over sends, one parcel each)."""
+        return {key_of(rec_id) for rec_id in self._records}
+
+    def take(self, key: str, principal: str | None) -> tuple[list[StoredResponse], dict[str, str]]:
+        """Forget and return the records of conversation ``key`` (of ``principal``; None: of
+        everyone), oldest first, and the heads of their sessions: what a peer adopts (:meth:`adopt`)."""
+        records = [r for r in self.records_of(key) if principal in (None, r.principal)]
+        sessions = {r.session for r in records}
+        heads = {sid: head for sid, head in self._heads.items() if sid in sessions}
+        for rec in records:
+            self.delete(rec.id, rec.principal)
+        return records, heads
+
+    def adopt(self, records: list[StoredResponse], heads: dict[str, str]) -> None:
+        """Hold records handed over by a peer (:meth:`take`), their sessions' heads as they were
+        there; a record already held (loaded from a shared disk) stays as it is. They count
+        against their principals' budgets here, which may exceed them: they are not new."""
+        for rec in records:
+            if rec.id not in self._records:
+                self.put(rec)
+        for sid in {r.session for r in records}:
+            self.moved(sid, heads.get(sid))

@@ -29,16 +29,19 @@ F = TypeVar("F")
 
 
 class Turn:
-    """The engine request of one streamed turn, once submitted (None before)."""
+    """The engine request of one streamed turn, once submitted (None before); ``others``: more
+    requests of the same turn (the prompt's prefill and the choices of a chat's ``n`` > 1)."""
 
-    __slots__ = ("stream",)
+    __slots__ = ("others", "stream")
 
     def __init__(self) -> None:
         self.stream: RequestStream | None = None
+        self.others: list[RequestStream] = []
 
     def cancel(self) -> None:
-        if self.stream is not None:
-            self.stream.cancel()
+        for stream in (self.stream, *self.others):
+            if stream is not None:
+                stream.cancel()
 
 
 async def guarded(

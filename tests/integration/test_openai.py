@@ -196,6 +196,68 @@ def test_two_requests_of_one_conversation_at_once_both_complete(alice: openai.Op
     assert replies[0].choices[0].message.content == replies[1].choices[0].message.content
 
 
+def test_n_choices_whole_and_streamed_share_the_prompt(alice: openai.OpenAI) -> None:
+    """n choices of one prompt: indices 0..n-1, usage counts the prompt once and sums the
+    completions; sampled choices (distinct seeds) usually differ, greedy ones are identical;
+    streamed, each chunk names its choice."""
+    ask = [{"role": "user", "content": "Name a colour and say why you like it."}]
+    sampled = alice.chat.completions.create(model=MODEL, messages=ask, n=3, max_tokens=10, temperature=1.0, seed=11)
+    assert [c.index for c in sampled.choices] == [0, 1, 2]
+    assert all(c.message.role == "assistant" and c.finish_reason in ("stop", "length") for c in sampled.choices)
+    assert sampled.usage is not None and 3 <= sampled.usage.completion_tokens <= 30
+    assert sampled.usage.total_tokens == sampled.usage.prompt_tokens + sampled.usage.completion_tokens
+    greedy = alice.chat.completions.create(model=MODEL, messages=ask, n=3, max_tokens=10, temperature=0)
+    texts = [c.message.content for c in greedy.choices]
+    assert texts[0] and texts == [texts[0]] * 3
+    one = alice.chat.completions.create(model=MODEL, messages=ask, max_tokens=10, temperature=0)
+    assert greedy.usage is not None and one.usage is not None
+    assert greedy.usage.prompt_tokens == one.usage.prompt_tokens  # counted once
+    assert greedy.usage.completion_tokens == 3 * one.usage.completion_tokens
+    assert greedy.usage.prompt_tokens_details is not None  # the prompt was hot from the sampled turn
+    assert greedy.usage.prompt_tokens_details.cached_tokens >= greedy.usage.prompt_tokens - 8
+    chunks = list(
+        alice.chat.completions.create(
+            model=MODEL,
+            messages=ask,
+            n=3,
+            max_tokens=10,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    streamed: dict[int, str] = {0: "", 1: "", 2: ""}
+    finished: dict[int, str] = {}
+    for chunk in chunks[:-1]:
+        (choice,) = chunk.choices
+        streamed[choice.index] += choice.delta.content or ""
+        if choice.finish_reason is not None:
+            finished[choice.index] = choice.finish_reason
+    assert streamed == dict(enumerate(texts)) and set(finished) == {0, 1, 2}
+    assert [c.choices[0].delta.role for c in chunks[:3]] == ["assistant"] * 3
+    assert chunks[-1].choices == [] and chunks[-1].usage is not None
+    assert chunks[-1].usage.completion_tokens == greedy.usage.completion_tokens
+
+
+def test_n_choices_under_concurrent_requests_all_complete(alice: openai.OpenAI) -> None:
+    """Several n > 1 turns at once, of different conversations (so both replicas, and turns handed
+    to another replica): every one completes with all its choices (the fan-out that stalled)."""
+
+    def turn(i: int) -> list[int]:
+        ask = [{"role": "user", "content": f"Write a short line about the number {i}."}]
+        if i % 2:
+            reply = alice.chat.completions.create(model=MODEL, messages=ask, n=3, max_tokens=8, temperature=0.8)  # type: ignore[arg-type]
+            return sorted(c.index for c in reply.choices if c.finish_reason)
+        chunks = alice.chat.completions.create(model=MODEL, messages=ask, n=3, max_tokens=8, stream=True)  # type: ignore[arg-type]
+        return sorted(c.choices[0].index for c in chunks if c.choices and c.choices[0].finish_reason)
+
+    t0 = time.monotonic()
+    with ThreadPoolExecutor(8) as pool:
+        done = list(pool.map(turn, range(8)))
+    assert done == [[0, 1, 2]] * 8
+    assert time.monotonic() - t0 < 110
+
+
 @pytest.mark.parametrize("stream", [True, False], ids=["stream", "whole"])
 def test_a_client_leaving_cancels_its_turn(http: Http, stream: bool) -> None:
     from ray import serve
@@ -302,9 +364,9 @@ def test_bad_requests_get_their_status_and_an_openai_error_body(http: Http, alic
     assert status == 401
     assert body["error"]["code"] == "invalid_api_key" and "bearer" in body["error"]["message"]
     assert _post(f"{http.base_url}/models", None)[0] == 401
-    with pytest.raises(openai.BadRequestError) as n2:
-        alice.chat.completions.create(model=MODEL, messages=ask, n=2)  # type: ignore[arg-type]
-    assert n2.value.param == "n"
+    with pytest.raises(openai.BadRequestError) as n9:
+        alice.chat.completions.create(model=MODEL, messages=ask, n=9)  # type: ignore[arg-type]
+    assert n9.value.param == "n" and "between 1 and 8" in n9.value.message
 
 
 def _post(url: str, payload: object) -> tuple[int, dict[str, object]]:

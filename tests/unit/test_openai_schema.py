@@ -49,7 +49,8 @@ def test_messages_developer_is_system_and_text_parts_join() -> None:
 @pytest.mark.parametrize(
     ("fields", "says"),
     [
-        ({"n": 2}, "n: only n=1"),
+        ({"n": 9}, "n: must be between 1 and 8, got 9"),
+        ({"n": 0}, "n: must be between 1 and 8"),
         ({"tools": [{"type": "function"}]}, "tools.0.function"),
         ({"presence_penalty": 0.5}, "repeat_penalty"),
         ({"top_logprobs": 2}, "requires logprobs"),
@@ -96,7 +97,7 @@ def test_errors_get_openai_bodies_and_http_statuses() -> None:
     assert oa.error_of(Unauthenticated("missing bearer token"))[0] == 401
     assert oa.error_of(OutOfRange("too long"))[1]["error"]["code"] == "context_length_exceeded"
     assert oa.error_of(oa.RequestTooLarge("big"))[0] == 413
-    status, body = oa.error_of(InvalidArgument("n: only n=1", field="n"))
+    status, body = oa.error_of(InvalidArgument("n: only n=1", field="n"))  # any message, as sent
     assert status == 400 and body["error"] == {
         "message": "n: only n=1",
         "type": "invalid_request_error",

@@ -217,3 +217,72 @@ def test_stored_responses_survive_on_disk_for_their_principal_only(tmp_path: Any
     assert disk.load("resp_1", "alice") is None  # unreadable: a miss, not an error
     disk.remove("resp_1")
     assert not list(disk.directory.iterdir())
+
+
+class FakeEngine:
+    """The sessions ``responses_handover`` releases and adopts: id -> (owner, blob)."""
+
+    def __init__(self, sessions: dict[str, tuple[str, bytes]]) -> None:
+        self.sessions = dict(sessions)
+
+    def known(self, sid: str) -> bool:
+        return sid in self.sessions
+
+    def release_session(self, sid: str, owner: str) -> bytes:
+        held, blob = self.sessions.pop(sid)
+        assert held == owner
+        return blob
+
+    def adopt_session(self, sid: str, owner: str, blob: bytes) -> bool:
+        self.sessions[sid] = (owner, blob)
+        return True
+
+
+def test_a_conversation_s_records_move_with_their_sessions_and_heads() -> None:
+    from hotloop_serve.serve.responses_handover import pack, unpack
+
+    other = "B" * rs.KEY_CHARS
+    r1, r2, r3 = (rs.new_response_id(KEY) for _ in range(3))
+    giver, taker = ResponseStore(10, 10_000), ResponseStore(10, 10_000)
+    giver.put(record(r1, session="s1"))
+    giver.put(record(r2, session="s1"))  # s1 ends with r2
+    giver.put(record(r3, session="fork"))  # r1 continued again: a fork, busy with a reply
+    giver.put(record(rs.new_response_id(KEY), principal="bob", session="sb"))
+    giver.put(record(rs.new_response_id(other), session="s9"))
+    engine = FakeEngine({"s1": ("alice", b"one"), "fork": ("alice", b"two"), "s9": ("alice", b"nine")})
+    parcel = pack(giver, engine, KEY, "alice", busy={"fork"})  # type: ignore[arg-type]
+    assert [r.id for r in parcel.records] == [r1, r2, r3] and parcel.sessions == [("s1", "alice", b"one")]
+    assert set(engine.sessions) == {"fork", "s9"}  # s1 released; the busy fork stays
+    with pytest.raises(NotFound):
+        giver.get(r1, "alice")
+    assert giver.keys() == {KEY, other}  # bob's record of KEY and the other conversation stay
+    receiver = FakeEngine({})
+    assert unpack(taker, receiver, parcel) == ["s1"]  # type: ignore[arg-type]
+    assert taker.get(r2, "alice").session == "s1" and taker.is_head("s1", r2) and not taker.is_head("s1", r1)
+    assert taker.is_head("fork", r3) and taker.usage("alice")[0] == 3 and giver.usage("alice")[0] == 1
+    unpack(taker, receiver, parcel)  # type: ignore[arg-type]
+    assert taker.usage("alice")[0] == 3  # a record held already is not counted twice
+
+
+@pytest.mark.parametrize(
+    ("fields", "param", "says"),
+    [
+        ({"include": ["reasoning.encrypted_content", "nonsense"]}, "include.1", "unknown value 'nonsense'"),
+        ({"include": ["message.output_text.logprobs"]}, "include.0", "not supported"),
+        ({"conversation": "conv_123"}, "conversation", "previous_response_id"),
+        ({"conversation": {"id": "conv_123"}}, "conversation", "Conversations API"),
+    ],
+)
+def test_include_and_conversation_are_honoured_or_refused_never_dropped(
+    fields: dict[str, Any], param: str, says: str
+) -> None:
+    body = {"model": "m", "input": "hi", **fields}
+    with pytest.raises(InvalidArgument, match=says) as info:
+        rs.parse_response_request(json.dumps(body).encode())
+    assert info.value.field == param
+
+
+def test_include_values_about_items_this_server_never_makes_are_accepted() -> None:
+    known = sorted(rs.INCLUDE_NOTHING)
+    req = rs.parse_response_request(json.dumps({"model": "m", "input": "hi", "include": known}).encode())
+    assert req.include == known
