@@ -36,7 +36,7 @@ class _Stream:
         self.items: list[Any] = [{"text": "a"}]
         self.cancelled = False
 
-    def __aiter__(self) -> "_Stream":
+    def __aiter__(self) -> _Stream:
         return self
 
     async def __anext__(self) -> Any:
