@@ -33,6 +33,9 @@ RETRYABLE_GRPC = {"UNAVAILABLE", "RESOURCE_EXHAUSTED", "FAILED_PRECONDITION"}
 """Statuses a client is told to retry (docs/reliability.md). FAILED_PRECONDITION is "the session
 is busy": the call a client just cancelled may still be ending on the replica."""
 RETRYABLE_HTTP = {409, 429, 503}
+RAY_ROUTE_NOT_FOUND = "not found. Ping http"
+"""Ray's HTTP proxy's 404 for a route no application serves yet: while a whole server starts,
+its port opens seconds before the model's routes exist (docs/reliability.md, "Faults")."""
 
 _WORD_TEXT = (
     "river stone lantern harbor meadow copper signal orbit garden ledger winter canyon archive compass "
@@ -345,6 +348,8 @@ class HttpWorker(threading.Thread):
         except openai.APIStatusError as exc:
             if exc.status_code in RETRYABLE_HTTP:
                 raise Retry(f"HTTP {exc.status_code}") from exc
+            if exc.status_code == 404 and RAY_ROUTE_NOT_FOUND in exc.response.text:
+                raise Retry("HTTP 404 from Ray's proxy (the server is starting)") from exc
             raise Violation(f"HTTP {exc.status_code}: {str(exc)[:200]}") from exc
         except openai.APITimeoutError as exc:
             raise Violation(f"no answer in {self.ctx.attempt_timeout_s:.0f} s") from exc

@@ -807,7 +807,15 @@ class Engine:
             return True
         self.kv.adopt(s, cmd.tokens, to_kv_bytes(cmd.kv))
         protect = self.scheduler.running_sessions()
-        ok = self.kv.acquire(s, protect) and self.kv.restore(s, protect) == len(cmd.tokens) > 0
+        if not self.kv.acquire(s, protect):
+            # Every sequence is decoding: the blob (checked by ``check_state``) waits in host RAM
+            # as an evicted session and is restored on its next turn. A fork's cut needs the
+            # cells, so a fork made now starts cold instead (rebuilt from its history).
+            if cmd.keep is not None:
+                self.kv.forget(s)
+                s.phase = SessionPhase.NEW
+            return True
+        ok = self.kv.restore(s, protect) == len(cmd.tokens) > 0
         if ok and cmd.keep is not None:
             self.kv.cut(s, common_prefix(s.tokens, cmd.keep))
         return ok

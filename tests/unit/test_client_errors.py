@@ -139,6 +139,12 @@ def test_turn_interrupted_keeps_partial_text() -> None:
         (grpc.StatusCode.INTERNAL, "Replica r-1 is unhealthy", True),
         (grpc.StatusCode.INTERNAL, "KeyError: 'x'", False),
         (grpc.StatusCode.NOT_FOUND, "replica", False),
+        (  # Ray's proxy while the model's application deploys (a server starting or restarting)
+            grpc.StatusCode.NOT_FOUND,
+            "Application 'm' not found. Ping /ray.serve.RayServeAPIService/ListApplications for available "
+            "applications.",
+            True,
+        ),
         (grpc.StatusCode.DEADLINE_EXCEEDED, "", False),
         (grpc.StatusCode.CANCELLED, "actor died", False),
     ],

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -126,6 +127,31 @@ def test_export_then_import_into_another_engine(tiny_model: Path) -> None:
             b.import_session("t", "q", blob)
     assert got.usage is not None and expected.usage is not None
     assert got.usage.cached_tokens == expected.usage.cached_tokens > 0
+    assert got.text == expected.text
+
+
+def test_an_import_while_every_sequence_decodes_waits_in_ram_and_continues_its_cache(tiny_model: Path) -> None:
+    """Found by the chaos soak: with every sequence busy, an import could not take one and was
+    refused as "its state is invalid" (INVALID_ARGUMENT). The blob is valid: it waits in host RAM
+    as an evicted session and is restored on its next turn."""
+    turn2 = [*chat(2), M("user", "next")]
+    with Engine(str(tiny_model), OPTS, blob_keys=KEYS) as a:
+        a.generate("s", "p", chat(2), GREEDY).result()
+        settle(a)
+        blob = a.export_session("s", "p")
+        expected = a.generate("s", "p", turn2, GREEDY).result()
+    one = replace(OPTS, hot_sessions=1)
+    long_reply = SamplingSettings(temperature=0, sample_len=900, repeat_penalty=1.0)
+    with Engine(str(tiny_model), one, blob_keys=KEYS) as b:
+        busy = b.generate("busy", "p", chat(1), long_reply)
+        while not b.stats().active_requests:
+            time.sleep(0.001)
+        info = b.import_session("t", "p", blob)
+        assert info.context_tokens > 0
+        busy.result()
+        got = b.generate("t", "p", turn2, GREEDY).result()
+    assert got.usage is not None and expected.usage is not None
+    assert got.usage.cached_tokens + got.usage.restored_tokens >= expected.usage.cached_tokens > 0
     assert got.text == expected.text
 
 

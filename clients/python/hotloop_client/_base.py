@@ -145,6 +145,10 @@ _ACTOR_DIED_MARKERS = (
 )
 
 
+_APP_NOT_FOUND = "not found. Ping /ray.serve.RayServeAPIService/ListApplications"
+"""Ray Serve's gRPC proxy's NOT_FOUND for an application it does not (yet) route to."""
+
+
 def is_failover(code: grpc.StatusCode, details: str) -> bool:
     """Whether a failure means "the replica went away", so the same request may be re-sent.
 
@@ -157,6 +161,12 @@ def is_failover(code: grpc.StatusCode, details: str) -> bool:
     if code == grpc.StatusCode.INTERNAL:
         lowered = details.lower()
         return any(marker in lowered for marker in _ACTOR_DIED_MARKERS)
+    if code == grpc.StatusCode.NOT_FOUND:
+        # Ray's proxy, up before the model's application is (the server is starting or
+        # restarting): the model is there seconds later. A model that does not exist costs
+        # MAX_ATTEMPTS retries (a few seconds) before NotFound; hotloop-serve's own NOT_FOUND
+        # carries rich details and never reaches here.
+        return _APP_NOT_FOUND in details
     return False
 
 

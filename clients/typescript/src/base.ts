@@ -128,6 +128,9 @@ export function backoffMs(retryDelayMs: number, attempt: number, random: () => n
   return full / 2 + (random() * full) / 2;
 }
 
+/** Ray Serve's gRPC proxy's NOT_FOUND for an application it does not (yet) route to. */
+const APP_NOT_FOUND = "not found. Ping /ray.serve.RayServeAPIService/ListApplications";
+
 const ACTOR_DIED_MARKERS = [
   "actor died",
   "actordiederror",
@@ -150,6 +153,10 @@ export function isFailover(code: Status, details: string): boolean {
     const lowered = details.toLowerCase();
     return ACTOR_DIED_MARKERS.some((marker) => lowered.includes(marker));
   }
+  // Ray's proxy, up before the model's application is (the server is starting or restarting):
+  // the model is there seconds later. A model that does not exist costs MAX_ATTEMPTS retries;
+  // hotloop-serve's own NOT_FOUND carries rich details and never reaches here.
+  if (code === Status.NOT_FOUND) return details.includes(APP_NOT_FOUND);
   return false;
 }
 

@@ -94,6 +94,9 @@ describe("wire helpers", () => {
     assert.ok(base.isFailover(Status.INTERNAL, "the actor died"));
     assert.ok(!base.isFailover(Status.INTERNAL, "KeyError: 'x'"));
     assert.ok(!base.isFailover(Status.NOT_FOUND, "actor died"));
+    // Ray's proxy while the model's application deploys (a server starting or restarting)
+    const starting = "Application 'm' not found. Ping /ray.serve.RayServeAPIService/ListApplications for available applications.";
+    assert.ok(base.isFailover(Status.NOT_FOUND, starting));
     assert.ok(!base.isFailover(Status.CANCELLED, ""));
   });
 
