@@ -26,6 +26,7 @@ from typing import Any
 
 import grpc
 import httpx2
+from hotloop_client._base import is_failover
 
 History = tuple[tuple[str, str], ...]
 
@@ -350,7 +351,9 @@ class HttpWorker(threading.Thread):
                 raise Retry(f"HTTP {exc.status_code}") from exc
             if exc.status_code == 404 and RAY_ROUTE_NOT_FOUND in exc.response.text:
                 raise Retry("HTTP 404 from Ray's proxy (the server is starting)") from exc
-            raise Violation(f"HTTP {exc.status_code}: {str(exc)[:200]}") from exc
+            if exc.status_code == 500 and is_failover(grpc.StatusCode.INTERNAL, exc.response.text):
+                raise Retry("HTTP 500 from Ray's proxy (the receiving replica died)") from exc
+            raise Violation(f"HTTP {exc.status_code}: {exc.response.text[:200]}") from exc
         except openai.APITimeoutError as exc:
             raise Violation(f"no answer in {self.ctx.attempt_timeout_s:.0f} s") from exc
         except openai.APIConnectionError as exc:
@@ -378,3 +381,79 @@ def _retryable_event(body: object) -> bool:
         return False
     kind, message = str(err.get("type", "")), str(err.get("message", "")).lower()
     return kind == "rate_limit_error" or (kind == "server_error" and "retry" in message)
+
+
+class ResponsesWorker(HttpWorker):
+    """The stateful Responses API: each turn sends only the new user message and the previous
+    response's id; the server holds the conversation (its owner's hot session). The history
+    logged for the reference is the conversation that id stands for."""
+
+    def conversation(self) -> None:
+        self.conversations += 1
+        cid = f"{self.name}.{self.conversations}"
+        history: list[tuple[str, str]] = []
+        previous: str | None = None
+        for _turn in range(self.ctx.turns):
+            if self.ctx.stop.is_set():
+                return
+            history.append(("user", user_text(self.rng, self.rng.randint(*self.ctx.user_words))))
+            log = TurnLog(cid, "responses", tuple(history), self.ctx.now())
+            log.behaviour = "slow" if self.rng.random() < 0.1 else ""
+            ids: list[str] = []
+            run_turn(self.ctx, log, lambda lg, n, p=previous, out=ids: self._respond(p, lg, out))
+            self.ctx.record(log)
+            if log.reply is None:
+                return
+            history.append(("assistant", log.reply))
+            previous = ids[-1]
+
+    def _respond(self, previous: str | None, log: TurnLog, ids: list[str]) -> tuple[str, float]:
+        import openai
+
+        t0 = time.monotonic()
+        ttft: float | None = None
+        parts: list[str] = []
+        try:
+            stream = self.client.responses.create(
+                model=self.ctx.model,
+                input=log.history[-1][1],
+                previous_response_id=previous,
+                store=True,
+                temperature=0,
+                max_output_tokens=self.ctx.reply_tokens,
+                stream=True,
+                extra_body={"repeat_penalty": 1.0},
+            )
+            with contextlib.closing(stream):
+                for event in _events(stream):
+                    kind = getattr(event, "type", "")
+                    if kind == "response.output_text.delta":
+                        if ttft is None:
+                            ttft = time.monotonic() - t0
+                        parts.append(event.delta)
+                        if log.behaviour == "slow":
+                            time.sleep(0.05)
+                    elif kind == "response.completed":
+                        ids.append(event.response.id)
+                    elif kind == "error":
+                        code = str(getattr(event, "code", ""))
+                        if code in RETRYABLE_GRPC:
+                            raise Retry(f"error event {code}")
+                        raise Violation(f"error event {code}: {getattr(event, 'message', '')[:160]}")
+        except openai.APIStatusError as exc:
+            if exc.status_code in RETRYABLE_HTTP:
+                raise Retry(f"HTTP {exc.status_code}") from exc
+            if exc.status_code == 404 and RAY_ROUTE_NOT_FOUND in exc.response.text:
+                raise Retry("HTTP 404 from Ray's proxy (the server is starting)") from exc
+            if exc.status_code == 500 and is_failover(grpc.StatusCode.INTERNAL, exc.response.text):
+                raise Retry("HTTP 500 from Ray's proxy (the receiving replica died)") from exc
+            raise Violation(f"HTTP {exc.status_code}: {exc.response.text[:200]}") from exc
+        except openai.APITimeoutError as exc:
+            raise Violation(f"no answer in {self.ctx.attempt_timeout_s:.0f} s") from exc
+        except openai.APIConnectionError as exc:
+            raise Retry("connection refused or dropped") from exc
+        except httpx2.HTTPError as exc:
+            raise Retry(f"stream broken: {type(exc).__name__}") from exc
+        if not ids:
+            raise Retry("stream ended without response.completed")
+        return "".join(parts), ttft if ttft is not None else time.monotonic() - t0
