@@ -433,7 +433,7 @@ class ResponsesWorker(HttpWorker):
                         parts.append(event.delta)
                         if log.behaviour == "slow":
                             time.sleep(0.05)
-                    elif kind == "response.completed":
+                    elif kind in ("response.completed", "response.incomplete"):  # incomplete: max_output_tokens
                         ids.append(event.response.id)
                     elif kind == "error":
                         code = str(getattr(event, "code", ""))
@@ -455,5 +455,5 @@ class ResponsesWorker(HttpWorker):
         except httpx2.HTTPError as exc:
             raise Retry(f"stream broken: {type(exc).__name__}") from exc
         if not ids:
-            raise Retry("stream ended without response.completed")
+            raise Violation("the stream ended without response.completed or response.incomplete")
         return "".join(parts), ttft if ttft is not None else time.monotonic() - t0
