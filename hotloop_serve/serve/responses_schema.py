@@ -99,6 +99,13 @@ class ResponseRequest(_Model):
     metadata: dict[str, str] | None = None
     user: str | None = None
     include: list[str] | None = None
+    # llama.cpp server-style extensions, as on /v1/chat/completions (ignored, they would make a
+    # greedy reply here differ from the same conversation's there)
+    seed: int | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repeat_penalty: float | None = None
+    repeat_last_n: int | None = None
     conversation: Any = None
     """Not modelled: refused (:func:`check_unmodelled`) rather than ignored, which would lose
     the state the client expects the server to keep."""
@@ -285,6 +292,11 @@ def settings_of(req: ResponseRequest, defaults: SamplingSettings) -> SamplingSet
             sample_len=req.max_output_tokens,
             temperature=req.temperature,
             top_p=req.top_p,
+            seed=None if req.seed is None else req.seed % 2**64,
+            top_k=req.top_k,
+            min_p=req.min_p,
+            repeat_penalty=req.repeat_penalty,
+            repeat_last_n=req.repeat_last_n,
             json_schema=json_schema,
             truncate_history=True if req.truncation == "auto" else None,
         )

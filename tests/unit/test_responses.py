@@ -286,3 +286,16 @@ def test_include_values_about_items_this_server_never_makes_are_accepted() -> No
     known = sorted(rs.INCLUDE_NOTHING)
     req = rs.parse_response_request(json.dumps({"model": "m", "input": "hi", "include": known}).encode())
     assert req.include == known
+
+
+def test_the_llama_cpp_sampling_extensions_reach_the_settings_as_in_chat_completions() -> None:
+    """Found by the chaos soak: ``repeat_penalty`` (and its siblings) were silently ignored by
+    /v1/responses, so a greedy reply there was not the one chat completions gave for the same
+    conversation and settings."""
+    defaults = SamplingSettings()
+    req = rs.ResponseRequest(
+        model="m", input="hi", temperature=0, repeat_penalty=1.0, repeat_last_n=32, top_k=5, min_p=0.1, seed=9
+    )
+    s = rs.settings_of(req, defaults)
+    assert (s.repeat_penalty, s.repeat_last_n, s.top_k, s.min_p, s.seed) == (1.0, 32, 5, 0.1, 9)
+    assert rs.settings_of(rs.ResponseRequest(model="m", input="hi"), defaults) == defaults
