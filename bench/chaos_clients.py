@@ -351,7 +351,7 @@ class HttpWorker(threading.Thread):
                 raise Retry(f"HTTP {exc.status_code}") from exc
             if exc.status_code == 404 and RAY_ROUTE_NOT_FOUND in exc.response.text:
                 raise Retry("HTTP 404 from Ray's proxy (the server is starting)") from exc
-            if exc.status_code == 500 and is_failover(grpc.StatusCode.INTERNAL, exc.response.text):
+            if exc.status_code == 500 and _from_rays_proxy(exc):
                 raise Retry("HTTP 500 from Ray's proxy (the receiving replica died)") from exc
             raise Violation(f"HTTP {exc.status_code}: {exc.response.text[:200]}") from exc
         except openai.APITimeoutError as exc:
@@ -369,6 +369,14 @@ class HttpWorker(threading.Thread):
 
 def _events(stream: Any) -> Iterator[Any]:
     yield from stream
+
+
+def _from_rays_proxy(exc: Any) -> bool:
+    """A 500 of Ray's HTTP proxy, not of ours: the replica that received the request died under
+    it (plain text ``Internal Server Error``, or Ray's actor-died text). hotloop-serve's own
+    errors are OpenAI-style JSON bodies (``{"error": {...}}``)."""
+    text = exc.response.text
+    return text.strip() == "Internal Server Error" or is_failover(grpc.StatusCode.INTERNAL, text)
 
 
 def _retryable_event(body: object) -> bool:
@@ -445,7 +453,7 @@ class ResponsesWorker(HttpWorker):
                 raise Retry(f"HTTP {exc.status_code}") from exc
             if exc.status_code == 404 and RAY_ROUTE_NOT_FOUND in exc.response.text:
                 raise Retry("HTTP 404 from Ray's proxy (the server is starting)") from exc
-            if exc.status_code == 500 and is_failover(grpc.StatusCode.INTERNAL, exc.response.text):
+            if exc.status_code == 500 and _from_rays_proxy(exc):
                 raise Retry("HTTP 500 from Ray's proxy (the receiving replica died)") from exc
             raise Violation(f"HTTP {exc.status_code}: {exc.response.text[:200]}") from exc
         except openai.APITimeoutError as exc:

@@ -74,7 +74,9 @@ class ChaosServer:
         model: dict[str, Any] = {
             "name": MODEL,
             "replicas": self.replicas if replicas is None else replicas,
-            "resources": {"num_cpus": 1},
+            # Half a CPU each: scaled to 3 replicas, the soak's fleet still fits Ray's 2 CPUs here
+            # (each replica runs one llama.cpp thread: engine.threads).
+            "resources": {"num_cpus": 0.5},
             "engine": {**copy.deepcopy(self.engine), **engine},
         }
         if self.limits:
