@@ -186,11 +186,15 @@ def test_deterministic_steps_decode_two_to_seven_rows_each_one_sequence_or_one_r
         calls.append(list(rows))
         seqs.append([pieces[i].seq for i, _, n in rows for _ in range(n)])
 
+    follow_up = [*history(4), M("assistant", "ok"), M("user", "and then?")]
     with Engine(str(tiny_model), opts) as alone:
         expected = [alone.generate(f"a{i}", "a", history(i), GREEDY).result().text for i in range(9)]
+        expected.append(alone.generate("a4", "a", follow_up, GREEDY).result().text)
     with Engine(str(tiny_model), opts, runner=recording(on_decode=logged)) as e:
         streams = [e.generate(f"s{i}", "a", history(i), GREEDY) for i in range(9)]
         got = [s.result().text for s in streams]
+        settle(e)
+        got.append(e.generate("s4", "a", follow_up, GREEDY).result().text)  # decodes alone
     assert got == expected
     shadowed = 0
     for rows, ids in zip(calls, seqs, strict=True):
