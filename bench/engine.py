@@ -19,7 +19,7 @@
     the baseline): the pacing trade-off, both sides
 0g. deterministic mode (``EngineOptions.deterministic``) against the default, per-session
     streams both (the mode requires them) and the unified default: single-stream decode,
-    8 sessions decoding, a ~1,000-token cold prompt's TTFT and a hot follow-up's
+    8 sessions decoding, a ~2,060-token cold prompt's TTFT and a hot follow-up's
 1. raw ``llama_cpp.Llama`` single-stream decode tokens/s (the high-level baseline)
 2. engine single-stream decode tokens/s
 3. engine aggregate tokens/s with 1, 2, 4, 8 concurrent sessions
@@ -380,7 +380,8 @@ def layouts(path: Path, tokens: int, threads: int) -> list[dict[str, Any]]:
     reference: list[str] = []
     base = 0.0
     for label, extra in variants:
-        opts = EngineOptions(threads=threads, context_tokens=16384, hot_sessions=8, **extra)  # type: ignore[arg-type]
+        # 3,072 cells a session: the follow-up's ~2,060-token history fits a per-session stream.
+        opts = EngineOptions(threads=threads, context_tokens=24576, hot_sessions=8, **extra)  # type: ignore[arg-type]
         with Engine(str(path), opts) as e:
             msgs = [[*history[:-1], ChatMessage("user", history[-1].content + f" (list {i})")] for i in range(8)]
             for i, m in enumerate(msgs):
@@ -620,7 +621,8 @@ def deterministic_cost(path: Path, tokens: int, threads: int) -> list[dict[str, 
     rows: list[dict[str, Any]] = []
     base: dict[str, float] = {}
     for label, extra in variants:
-        opts = EngineOptions(threads=threads, context_tokens=16384, hot_sessions=8, **extra)  # type: ignore[arg-type]
+        # 3,072 cells a session: the follow-up's ~2,060-token history fits a per-session stream.
+        opts = EngineOptions(threads=threads, context_tokens=24576, hot_sessions=8, **extra)  # type: ignore[arg-type]
         greedy = SamplingSettings(temperature=0, sample_len=tokens, repeat_penalty=1.0)
         with Engine(str(path), opts) as e:
             figures = {

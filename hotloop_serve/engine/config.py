@@ -108,16 +108,18 @@ class EngineOptions:
     chunks, restored from RAM or disk, handed over from another replica or rebuilt, and whatever
     else shares the replica. ``batch_invariant`` is not enough for that: llama.cpp's CPU
     kernels round a row by the shape of the batch it is in, so a token prefilled in a chunk of
-    its prompt caches other keys and values than the same token decoded, and a lone row over a
-    long cache sums its attention in per-thread parts that follow the cells in use. Here every
-    ``llama_decode`` holds 2 to 7 rows (the class in which a row's arithmetic does not depend
-    on the others; a lone row gets a ballast row of a sequence of its own), prompts are
-    prefilled 2-7 tokens a call, and each session's cells must lie in the order of its
-    positions, which only ``kv_layout: per_session`` guarantees (a unified pool places a
-    growing session in whatever cells are free; attention adds the cells up in cell order).
+    its prompt caches other keys and values than the same token decoded, and a row alone in
+    a micro-batch over more than 256 cells sums its attention in per-thread parts that follow
+    the cells in use. Here every ``llama_decode``, and every micro-batch llama.cpp cuts it
+    into, holds 2 to 7 rows (the class in which a row's arithmetic does not depend on the
+    others; a row with no neighbouring sequence in its call gets a shadow row of its own
+    sequence, ``engine/canonical.py``), prompts are prefilled 2-7 tokens a call, and each
+    session's cells must lie in the order of its positions, which only ``kv_layout:
+    per_session`` guarantees (a unified pool places a growing session in whatever cells are
+    free; attention adds the cells up in cell order).
     Requires ``kv_layout: per_session``; implies what ``batch_invariant`` sets on the context.
-    Costs prefill throughput (small batches; measured in bench/engine.py) and one extra
-    stream of ``context_tokens / hot_sessions`` cells for the ballast. Replicas agree only on
+    Costs prefill throughput (small batches; measured in bench/engine.py) and one token of
+    each session's window (a cell kept free for the shadow row). Replicas agree only on
     the same CPU instruction set (llama.cpp picks its kernels by CPU). docs/reliability.md."""
     kv_layout: str = "unified"
     """``unified``: one pool of ``context_tokens`` cells shared by all hot sessions (any session may

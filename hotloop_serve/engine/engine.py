@@ -160,6 +160,8 @@ class Engine:
         )
         meta = self.model.metadata
         per_seq = opts.context_tokens // opts.hot_sessions if opts.kv_layout == "per_session" else opts.context_tokens
+        if opts.deterministic:
+            per_seq -= 1  # a cell of each stream stays free for a shadow row (engine/canonical.py)
         self.session_context = min(opts.session_context_tokens, meta.train_context_length or per_seq, per_seq)
         if chat_template is not None:
             source, origin = chat_template, "config"

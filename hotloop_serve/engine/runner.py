@@ -2,7 +2,7 @@
 
 It executes one step's plan, given as pieces (``scheduler.Piece``: a run of tokens for one
 sequence at known positions), with one ``llama_decode`` (two with ``batch_invariant``, a
-canonical series with ``deterministic``: :func:`canonical_decodes`), and
+canonical series with ``deterministic``: ``canonical.py``), and
 returns how long llama.cpp took and the logits rows asked for. It never decides who runs (the
 scheduler does) and never samples (the output stage does), so what it guarantees is narrow:
 each row comes back with the piece that asked for it, and ``cached`` says which tokens entered
@@ -22,6 +22,7 @@ from typing import Protocol
 import llama_cpp as ll
 import numpy as np
 
+from hotloop_serve.engine.canonical import Rows, canonical_decodes
 from hotloop_serve.engine.config import EngineOptions
 from hotloop_serve.engine.cpus import cpu_budget
 from hotloop_serve.engine.kv import KVMemory, LlamaKVMemory
@@ -32,8 +33,6 @@ from hotloop_serve.errors import InternalError
 log = logging.getLogger(__name__)
 
 _GGML_TYPES = {"f16": 1, "q4_0": 2, "q8_0": 8}  # ggml_type values
-Rows = list[tuple[int, int, int]]
-"""One ``llama_decode``'s rows: (index of the piece, its first token in this batch, token count)."""
 _NO_ROOM = 1
 """``llama_decode``'s return code for "no room in the KV cache": recoverable (pre-empt, retry)."""
 _INVALID_BATCH = -1
@@ -104,11 +103,8 @@ class ModelRunner:
         self.model = model
         self.batch_invariant = opts.batch_invariant
         self.deterministic = opts.deterministic
-        self.ballast_seq = opts.sequences
-        """With ``deterministic``: the sequence (and, per session, the stream) of the ballast row
-        that keeps a lone row out of llama.cpp's one-row attention path (:func:`canonical_decodes`)."""
         self.ctx = _create_context(model, opts)
-        self._batch = ll.llama_batch_init(max(opts.batch_tokens, DETERMINISTIC_ROWS + 1), 0, 1)
+        self._batch = ll.llama_batch_init(opts.batch_tokens, 0, 1)  # >= 8: a deterministic call's 7 rows fit
         self.memory = LlamaKVMemory(self.ctx, model.ptr, probe_token=model.bos)
 
     def execute(self, pieces: Sequence[Piece]) -> StepOutput:
@@ -157,32 +153,30 @@ class ModelRunner:
         return self._output(pieces, whole, took)
 
     def _execute_canonical(self, pieces: Sequence[Piece]) -> StepOutput:
-        """The step as :func:`canonical_decodes`: each row computed as it would be alone.
+        """The step as :func:`canonical.canonical_decodes`: each row computed as it would be alone.
 
         The logits rows are copied out after each decode (the next one overwrites them), so they
-        reach the samplers with index -1 (``sampling.Sampler.sample`` reads the row). Where
-        llama.cpp refuses one of the decodes, what this step added is taken out of every
-        sequence again, so the step is retried whole (a decoder whose row ran but whose logits
-        are dropped would otherwise cache its token twice)."""
+        reach the samplers with index -1 (``sampling.Sampler.sample`` reads the row). A shadow
+        row's cell is removed after its call. Where llama.cpp refuses one of the decodes, what
+        this step added is taken out of every sequence again, so the step is retried whole (a
+        decoder whose row ran but whose logits are dropped would otherwise cache its token twice)."""
         logits: list[Logits | None] = [None] * len(pieces)
         seconds = 0.0
         try:
-            for rows in canonical_decodes(pieces):
-                ballast = sum(n for _, _, n in rows) == 1
-                took = self.decode(pieces, rows, ballast=self.ballast_seq if ballast else None)
-                if ballast:
-                    self.memory.seq_rm(self.ballast_seq, -1, -1)
+            for d in canonical_decodes(pieces):
+                took = self.decode(pieces, d.rows, d.shadows)
                 if took is None:
                     self._roll_back(pieces)
                     return self._refused(pieces, [0] * len(pieces))
+                for i in d.shadows:
+                    self.memory.seq_rm(pieces[i].seq, pieces[i].pos + len(pieces[i].tokens), -1)
                 seconds += took
-                wanted = [i for i, start, count in rows if pieces[i].logits and start + count == len(pieces[i].tokens)]
+                wanted = [i for i, start, n in d.rows if pieces[i].logits and start + n == len(pieces[i].tokens)]
                 if wanted:
                     view = np.ctypeslib.as_array(ll.llama_get_logits(self.ctx), shape=(len(wanted), self.model.n_vocab))
                     for k, i in enumerate(wanted):
                         logits[i] = Logits(-1, view[k].copy())
         except InconsistentPieces as e:
-            self.memory.seq_rm(self.ballast_seq, -1, -1)
             self._roll_back(pieces, skip=e.pieces)
             e.cached = (0,) * len(pieces)
             raise
@@ -194,10 +188,12 @@ class ModelRunner:
             if i not in skip:
                 self.memory.seq_rm(p.seq, p.pos, -1)
 
-    def decode(self, pieces: Sequence[Piece], rows: Rows, ballast: int | None = None) -> float | None:
-        """One ``llama_decode`` of ``rows`` (piece, first token, count) in that order; the seconds
-        it took, or None when llama.cpp found no room. A batch refused for pieces whose cache does
-        not continue raises :class:`InconsistentPieces`; any other failure is fatal (raised)."""
+    def decode(self, pieces: Sequence[Piece], rows: Rows, shadows: Sequence[int] = ()) -> float | None:
+        """One ``llama_decode`` of ``rows`` (piece, first token, count) in that order, each piece
+        in ``shadows`` followed by its shadow row (its last token again, one position further,
+        no logits; deterministic mode, ``canonical.py``); the seconds it took, or None when
+        llama.cpp found no room. A batch refused for pieces whose cache does not continue
+        raises :class:`InconsistentPieces`; any other failure is fatal (raised)."""
         batch = self._batch
         n = 0
         for i, start, count in rows:
@@ -211,13 +207,13 @@ class ModelRunner:
                 n += 1
             if p.logits and start + count == len(p.tokens):
                 batch.logits[n - 1] = True
-        if ballast is not None:
-            batch.token[n] = self.model.bos
-            batch.pos[n] = 0
-            batch.n_seq_id[n] = 1
-            batch.seq_id[n][0] = ballast
-            batch.logits[n] = False
-            n += 1
+            if i in shadows:
+                batch.token[n] = p.tokens[start + count - 1]
+                batch.pos[n] = p.pos + start + count
+                batch.n_seq_id[n] = 1
+                batch.seq_id[n][0] = p.seq
+                batch.logits[n] = False
+                n += 1
         batch.n_tokens = n
         t0 = time.perf_counter()
         rc = ll.llama_decode(self.ctx, batch)
@@ -264,43 +260,6 @@ class ModelRunner:
             self.ctx = None
 
 
-DETERMINISTIC_ROWS = 7
-"""Most rows of one ``llama_decode`` in deterministic mode: llama.cpp's CPU kernels give a row
-the same result in batches of 2 to 7 rows, and another from 8 (bench/results/invariance.md)."""
-
-
-def canonical_decodes(pieces: Sequence[Piece]) -> list[Rows]:
-    """The ``llama_decode`` calls of a deterministic step: each row computed exactly as alone.
-
-    llama.cpp's CPU kernels compute a row alike in every batch of 2 to 7 rows, whatever the
-    other rows are, and whatever cells the other sequences hold; outside that class they change
-    their arithmetic: from 8 rows the matrix products, from 64 flash attention's tiled path
-    (its KV tiles follow cell indices), and a batch of 1 row over 512 cells or more takes a
-    path that splits the cells among threads (its partial sums follow the number of cells in
-    use). So every decode here has 2 to 7 rows, and a token's cells are the same whether it
-    was prefilled, in any chunks, or decoded: a prompt is cut into chunks of 2-7 of its own
-    rows, one decode each (a batch of several sequences is split by llama.cpp per stream
-    when the sequences are of unequal lengths, which could leave one row alone); single rows
-    (decoders, a prompt's last token) go 7 to a decode, one per sequence, and a row alone gets
-    a ballast row of a sequence of its own (the runner adds it and removes it again).
-    """
-    singles: Rows = []
-    decodes: list[Rows] = []
-    for i, p in enumerate(pieces):
-        n = len(p.tokens)
-        if n == 1:
-            singles.append((i, 0, 1))
-            continue
-        chunks = -(-n // DETERMINISTIC_ROWS)
-        start = 0
-        for k in range(chunks):
-            count = n // chunks + (1 if k < n % chunks else 0)
-            decodes.append([(i, start, count)])
-            start += count
-    decodes += [singles[k : k + DETERMINISTIC_ROWS] for k in range(0, len(singles), DETERMINISTIC_ROWS)]
-    return decodes
-
-
 def _laid_out(pieces: Sequence[Piece], rows: Rows) -> Rows:
     """The batch's order: decoders first, then whole-tile prompt pieces, so each of those starts
     on a flash-attention query tile (:data:`PREFILL_TILE`) with no decoder rows before it."""
@@ -311,7 +270,7 @@ def _create_context(model: Model, opts: EngineOptions) -> ll.llama_context_p:
     params = ll.llama_context_default_params()
     params.n_ctx = opts.context_tokens
     params.n_batch = params.n_ubatch = opts.batch_tokens
-    params.n_seq_max = opts.sequences + (1 if opts.deterministic else 0)  # the ballast's sequence
+    params.n_seq_max = opts.sequences
     if opts.threads:
         threads = opts.threads
         log.info("llama.cpp decodes with %d threads (engine.threads)", threads)
@@ -325,9 +284,6 @@ def _create_context(model: Model, opts: EngineOptions) -> ll.llama_context_p:
     params.type_k = _GGML_TYPES[opts.kv_type_k]
     params.type_v = _GGML_TYPES[opts.kv_type_v]
     params.no_perf = True
-    if opts.deterministic and opts.kv_layout == "per_session":
-        # The ballast's stream: each session keeps context_tokens / hot_sessions cells.
-        params.n_ctx = opts.context_tokens // opts.hot_sessions * (opts.sequences + 1)
     if opts.flash_attention or opts.batch_invariant or opts.deterministic or opts.kv_type_v != "f16":
         params.flash_attn_type = ll.LLAMA_FLASH_ATTN_TYPE_ENABLED
     else:

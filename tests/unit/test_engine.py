@@ -8,6 +8,7 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import pytest
+from llama_split import micro_batches
 
 from hotloop_serve.engine import engine as engine_module
 from hotloop_serve.engine.chat_template import ChatMessage as M
@@ -28,7 +29,8 @@ DecodeHook = Callable[[Sequence[Piece], Rows], None]
 
 class RecordingRunner(ModelRunner):
     """The real runner, watched: ``on_step`` sees each step's pieces before they run (and may
-    slow it: a slow device), ``on_decode`` each ``llama_decode``'s rows."""
+    slow it: a slow device), ``on_decode`` each ``llama_decode``'s rows (a shadow row as its
+    piece's row one token past its end: ``(i, len(tokens), 1)``, right after the piece's row)."""
 
     def __init__(
         self, model: Model, opts: EngineOptions, on_step: StepHook | None, on_decode: DecodeHook | None
@@ -42,10 +44,13 @@ class RecordingRunner(ModelRunner):
             self.on_step(pieces)
         return super().execute(pieces)
 
-    def decode(self, pieces: Sequence[Piece], rows: Rows, ballast: int | None = None) -> float | None:
+    def decode(self, pieces: Sequence[Piece], rows: Rows, shadows: Sequence[int] = ()) -> float | None:
         if self.on_decode is not None:
-            self.on_decode(pieces, rows if ballast is None else [*rows, (-1, 0, 1)])
-        return super().decode(pieces, rows, ballast)
+            laid: Rows = []
+            for i, start, n in rows:
+                laid += [(i, start, n)] + ([(i, len(pieces[i].tokens), 1)] if i in shadows else [])
+            self.on_decode(pieces, laid)
+        return super().decode(pieces, rows, shadows)
 
 
 def recording(
@@ -167,9 +172,10 @@ def test_rows_that_make_logits_run_apart_from_prompt_rows_when_batch_invariant(
 
 
 def test_deterministic_steps_decode_two_to_seven_rows_each_one_sequence_or_one_row_each(tiny_model: Path) -> None:
-    """Deterministic mode: every llama_decode holds 2-7 rows (a lone row gets the ballast row),
-    either a chunk of one sequence's prompt or single rows of distinct sequences; the replies
-    are those of each session alone, with 9 sessions at once (more decoders than 7 a step)."""
+    """Deterministic mode: every llama_decode holds 2-7 rows, either a chunk of one sequence's
+    prompt or single rows of distinct sequences (a row without a neighbouring sequence in its
+    call followed by its shadow), and so does every micro-batch llama.cpp cuts it into; the
+    replies are those of each session alone, with 9 sessions at once (more decoders than 7)."""
     opts = EngineOptions(
         context_tokens=4608, session_context_tokens=512, hot_sessions=9, kv_layout="per_session", deterministic=True
     )
@@ -178,18 +184,28 @@ def test_deterministic_steps_decode_two_to_seven_rows_each_one_sequence_or_one_r
 
     def logged(pieces: Sequence[Piece], rows: Rows) -> None:
         calls.append(list(rows))
-        seqs.append([-1 if i < 0 else pieces[i].seq for i, _, _ in rows])
+        seqs.append([pieces[i].seq for i, _, n in rows for _ in range(n)])
 
+    follow_up = [*history(4), M("assistant", "ok"), M("user", "and then?")]
     with Engine(str(tiny_model), opts) as alone:
         expected = [alone.generate(f"a{i}", "a", history(i), GREEDY).result().text for i in range(9)]
+        expected.append(alone.generate("a4", "a", follow_up, GREEDY).result().text)
     with Engine(str(tiny_model), opts, runner=recording(on_decode=logged)) as e:
         streams = [e.generate(f"s{i}", "a", history(i), GREEDY) for i in range(9)]
         got = [s.result().text for s in streams]
+        settle(e)
+        got.append(e.generate("s4", "a", follow_up, GREEDY).result().text)  # decodes alone
     assert got == expected
+    shadowed = 0
     for rows, ids in zip(calls, seqs, strict=True):
-        assert 2 <= sum(n for _, _, n in rows) <= 7, (rows, ids)
-        assert len(rows) == 1 or (all(n == 1 for _, _, n in rows) and len(set(ids)) == len(ids))
-    assert any(ids[-1] == -1 for ids in seqs)  # a lone row, with its ballast
+        assert 2 <= len(ids) <= 7, (rows, ids)
+        for mb in micro_batches(ids):
+            assert 2 <= len(mb) <= 7, (rows, ids)
+        if len(rows) > 1:  # single rows, each of its own sequence, some with their shadow
+            assert all(n == 1 for _, _, n in rows)
+            pieces = [i for i, _, _ in rows]
+            shadowed += len(pieces) - len(set(pieces))
+    assert shadowed  # a lone row, with its shadow
 
 
 def test_evicted_session_restores_and_continues_identically(tiny_model: Path) -> None:
