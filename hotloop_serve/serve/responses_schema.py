@@ -106,6 +106,7 @@ class ResponseRequest(_Model):
     min_p: float | None = None
     repeat_penalty: float | None = None
     repeat_last_n: int | None = None
+    background: bool | None = None
     conversation: Any = None
     """Not modelled: refused (:func:`check_unmodelled`) rather than ignored, which would lose
     the state the client expects the server to keep."""
@@ -128,7 +129,9 @@ INCLUDE_NOTHING = frozenset(
 
 def check_unmodelled(req: ResponseRequest) -> None:
     """Refuse, naming the field, what this server does not model and a client relies on:
-    an ``include`` it cannot honour, ``conversation`` (the Conversations API)."""
+    an ``include`` it cannot honour, ``conversation`` (the Conversations API), ``background: true``
+    (a client polling for a queued response would otherwise get it finished, or wait on a
+    stream it did not ask for)."""
     for i, value in enumerate(req.include or ()):
         if value == "message.output_text.logprobs":
             raise InvalidArgument(
@@ -136,6 +139,11 @@ def check_unmodelled(req: ResponseRequest) -> None:
             )
         if value not in INCLUDE_NOTHING:
             raise InvalidArgument(f"include.{i}: unknown value {value!r}", field=f"include.{i}")
+    if req.background:
+        raise InvalidArgument(
+            "background: background responses are not supported; use stream: true to read a long one as it is made",
+            field="background",
+        )
     if req.conversation is not None:
         raise InvalidArgument(
             "conversation: the Conversations API is not supported; continue with previous_response_id",

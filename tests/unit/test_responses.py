@@ -271,9 +271,10 @@ def test_a_conversation_s_records_move_with_their_sessions_and_heads() -> None:
         ({"include": ["message.output_text.logprobs"]}, "include.0", "not supported"),
         ({"conversation": "conv_123"}, "conversation", "previous_response_id"),
         ({"conversation": {"id": "conv_123"}}, "conversation", "Conversations API"),
+        ({"background": True}, "background", "stream: true"),
     ],
 )
-def test_include_and_conversation_are_honoured_or_refused_never_dropped(
+def test_include_conversation_and_background_are_honoured_or_refused_never_dropped(
     fields: dict[str, Any], param: str, says: str
 ) -> None:
     body = {"model": "m", "input": "hi", **fields}
