@@ -9,6 +9,8 @@ scheduler and streams. This bench drives N concurrent streams of T tokens each t
 - ``engine``: the engine in-process, read by one asyncio loop, no Ray (the same-run baseline:
   what the serving layer is offered),
 - ``sdk``: the Python SDK (``hotloop_client.AsyncClient``) -> Ray Serve's gRPC proxy -> replica,
+- ``direct``: the Python SDK with ``direct=True`` -> the replica's own gRPC server
+  (``server.direct_ingress``; the session's owner found by ``ListReplicas``), no proxy,
 - ``grpc``: a stock ``grpc.aio`` client with the generated stubs -> the same proxy,
 - ``http``: ``/v1/chat/completions`` with ``"stream": true`` (aiohttp, server-sent events) ->
   Ray Serve's HTTP proxy -> replica (which hands the turn to the session's owner replica),
@@ -25,7 +27,7 @@ chunk arrival times are recorded. CPU is read from ``/proc`` before and after ea
 other jobs' CPU on the machine (neither the server tree nor this process) is reported too.
 
 Run: ``.venv/bin/python bench/serving.py [--steps 10,15,30] [--streams 64,128,256]
-[--clients engine,sdk,grpc,http] [--tokens 200] [--coalesce-ms 0] [--messages-per-s 0] [--ray-env K=V ...]
+[--clients engine,sdk,direct,grpc,http] [--tokens 200] [--coalesce-ms 0] [--messages-per-s 0] [--ray-env K=V ...]
 [--tag NAME]``; writes ``bench/results/serving[_TAG].{json,md}``.
 """
 
@@ -381,12 +383,14 @@ async def _stack_rows(
     pid = server.pid
     step_s = step_ms / 1e3
     sdk = AsyncClient(server.address, timeout=600)
+    direct = AsyncClient(server.address, timeout=600, direct=True)
     channel = grpc.aio.insecure_channel(server.address)
     http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600))
     base = f"http://127.0.0.1:{server.http_port}"
     try:
         openers: dict[str, Callable[[int, str], Opener]] = {
             "sdk": lambda t, tag: sdk_opener(sdk, t, tag),
+            "direct": lambda t, tag: sdk_opener(direct, t, tag),
             "grpc": lambda t, tag: grpc_opener(channel, t, tag),
             "http": lambda t, tag: http_opener(http, base, t, tag),
         }
@@ -401,6 +405,7 @@ async def _stack_rows(
         await http.close()
         await channel.close()
         await sdk.close()
+        await direct.close()
     return rows
 
 
@@ -417,6 +422,8 @@ def run_stack_rows(
 ) -> list[dict[str, Any]]:
     server = HotloopServer("serving", 1, 1, engine_config(step_ms, max(streams), tokens))
     server.config["server"]["stream_coalesce_ms"] = coalesce_ms
+    if "direct" in clients:
+        server.config["server"]["direct_ingress"] = True
     if messages_per_s:  # only when set: the bench also drives older trees (before/after runs)
         server.config["server"]["stream_messages_per_s"] = messages_per_s
     server.config["models"][0]["engine"].pop("threads", None)
@@ -472,7 +479,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", default="10,15,30", help="step times in ms")
     ap.add_argument("--streams", default="64,128,256", help="concurrent streams")
-    ap.add_argument("--clients", default="engine,sdk,grpc,http")
+    ap.add_argument("--clients", default="engine,sdk,direct,grpc,http")
     ap.add_argument("--tokens", type=int, default=200, help="tokens per stream")
     ap.add_argument("--coalesce-ms", type=float, default=0.0, help="server.stream_coalesce_ms")
     ap.add_argument("--messages-per-s", type=float, default=0.0, help="server.stream_messages_per_s")

@@ -176,6 +176,17 @@ class ServerConfig(_Strict):
     sends at most one message every N / budget seconds, the tokens decoded meanwhile merged
     into it; with few streams nothing waits (``engine.stream.StreamPacer``). Ray's proxy
     spends about the same CPU per message whatever it carries (``docs/capacity.md``)."""
+    direct_ingress: bool = False
+    """Each replica also serves the gRPC API on a port of its own and ``ListReplicas`` says
+    where, so an SDK made with ``direct=True`` sends a session's turns straight to the replica
+    holding its cache, hashing its key as the router does: no proxy hop, a fraction of the CPU
+    per streamed message (``docs/capacity.md``). The proxy still serves everything (stock gRPC
+    clients, HTTP, sessions being created); a replica gone or a stale list falls back to it."""
+    direct_host: str | None = None
+    """Where replicas listen and what they advertise for direct ingress (None: ``host``). In a
+    cluster, an address clients reach the replica's node at (e.g. the pod IP)."""
+    direct_port: Annotated[int, Field(ge=0, le=65535)] = 0
+    """0: any free port (several replicas on a node); a fixed port: one replica per node."""
 
 
 class TelemetryConfig(_Strict):

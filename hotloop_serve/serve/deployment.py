@@ -37,6 +37,7 @@ from hotloop_serve.engine.persist import BlobKeys
 from hotloop_serve.engine.settings import SamplingSettings
 from hotloop_serve.engine.synthetic import open_engine
 from hotloop_serve.serve.auth import Authenticator, describe_tokens, export_secrets, load_tokens
+from hotloop_serve.serve.direct_ingress import DirectIngress, publish
 from hotloop_serve.serve.fleet import ReplicaFleet
 from hotloop_serve.serve.model_source import resolve_model_path
 from hotloop_serve.serve.openai_http import OpenAIApi, api
@@ -113,6 +114,13 @@ class ModelReplica:
             fleet=self.fleet,
         )
         self.http = OpenAIApi(self.core, ctx.app_name, ctx.deployment)
+        self.direct: DirectIngress | None = None
+        if cfg.server.direct_ingress:
+            # Constructed on Ray's user-code event loop (running: Ray awaits __init__ there),
+            # the loop every RPC of the core runs on.
+            self.direct = DirectIngress(self.core, cfg.server.direct_host or cfg.server.host, cfg.server.direct_port)
+            self._direct_start = asyncio.get_running_loop().create_task(self.direct.start())
+            publish(ctx.app_name, rank, self.direct.address)
         log.info(
             "hotloop replica %s (rank %d) serving %s from %s; %s",
             replica_id,
@@ -126,6 +134,7 @@ class ModelReplica:
     ListModels = _part("core", "ListModels")
     GetModel = _part("core", "GetModel")
     Tokenize = _part("core", "Tokenize")
+    ListReplicas = _part("core", "ListReplicas")
     CreateSession = _part("core", "CreateSession")
     GetSession = _part("core", "GetSession")
     UpdateSettings = _part("core", "UpdateSettings")
@@ -215,6 +224,8 @@ class ModelReplica:
         if rank is not None and getattr(rank, "rank", None) is not None:
             self.fleet.renumbered(int(rank.rank))
             self.core.served_by.replica_rank = self.fleet.rank
+            if self.direct is not None:
+                publish(self.fleet.app, self.fleet.rank, self.direct.address)
 
     def check_health(self) -> None:
         """Ray restarts a replica whose engine died."""
@@ -225,6 +236,9 @@ class ModelReplica:
         """Ray's graceful shutdown (after in-flight requests drained): hand sessions over, then
         stop the engine (which snapshots what is left to the disk tier, if configured)."""
         core = getattr(self, "core", None)
+        direct = getattr(self, "direct", None)
+        if direct is not None:  # Ray drained its own requests, not these: give them the same grace
+            await direct.stop(core.model.graceful_shutdown_timeout_s * 0.3 if core is not None else 1.0)
         if core is not None:
             engine = core.engine
             if core.model.handover and engine.alive:

@@ -34,12 +34,14 @@ import logging
 import time
 from typing import Any, Protocol
 
+from hotloop.v1 import model_pb2 as mpb
 from hotloop.v1 import session_pb2 as spb
 from ray import serve
 
 from hotloop_serve.engine.engine import Engine
 from hotloop_serve.engine.settings import SamplingSettings
 from hotloop_serve.errors import HotloopError
+from hotloop_serve.serve.direct_ingress import published
 from hotloop_serve.serve.handle_calls import as_own_request
 from hotloop_serve.serve.router import owner_of, peer_address, runner_up_of
 from hotloop_serve.serve.session_ids import new_routing_key, routing_key
@@ -93,12 +95,18 @@ class Fleet(Protocol):
     async def running_replicas(self) -> dict[str, int]:
         """Replicas running now, by model (empty: not known)."""
 
+    async def direct_addresses(self) -> list[mpb.ReplicaAddress]:
+        """Each running replica's direct-ingress address by rank (``direct_ingress.py``)."""
+
     async def peers(self) -> list[str]:
         """Routing keys addressing each other running replica of this model (none: alone)."""
 
 
 class SoloFleet:
     """A replica alone: every key is its own, no peer holds anything, nothing to tell."""
+
+    direct_address = ""
+    """Its own direct-ingress address, if it has one."""
 
     async def owns(self, key: str) -> bool:
         return True
@@ -125,6 +133,9 @@ class SoloFleet:
 
     async def running_replicas(self) -> dict[str, int]:
         return {}
+
+    async def direct_addresses(self) -> list[mpb.ReplicaAddress]:
+        return [mpb.ReplicaAddress(rank=0, address=self.direct_address)] if self.direct_address else []
 
     async def peers(self) -> list[str]:
         return []
@@ -216,6 +227,9 @@ class ReplicaFleet:
             return await asyncio.to_thread(running_by_app)
         except Exception:  # the controller is unreachable: the configured counts stand
             return {}
+
+    async def direct_addresses(self) -> list[mpb.ReplicaAddress]:
+        return await asyncio.to_thread(published, self.app, len(await self.ranks()))
 
     async def _peers(self) -> list[str]:
         """Routing keys addressing each other running replica (:func:`router.peer_address`)."""

@@ -30,6 +30,8 @@ from hotloop_serve.engine.stream import StreamPacer
 from hotloop_serve.errors import InvalidArgument, NotFound, ResourceExhausted
 from hotloop_serve.serve import convert
 from hotloop_serve.serve.auth import ANONYMOUS, Authenticator
+from hotloop_serve.serve.direct_ingress import REFRESH_S as DIRECT_REFRESH_S
+from hotloop_serve.serve.direct_ingress import ROUTING as DIRECT_ROUTING
 from hotloop_serve.serve.fleet import Fleet, SoloFleet
 from hotloop_serve.serve.openai_tools import ReplyCalls, constrain
 from hotloop_serve.serve.quotas import AnonymousSessions, PendingImports, caller_key
@@ -281,6 +283,17 @@ class ModelServicer:
         # this replica shares the loop.
         tokens = await asyncio.to_thread(self.engine.model.tokenize, request.text, request.add_special)
         return mpb.TokenizeResponse(tokens=tokens)
+
+    @unary(mpb.ListReplicasResponse)
+    async def ListReplicas(
+        self, request: mpb.ListReplicasRequest, principal: str, span: RpcSpan
+    ) -> mpb.ListReplicasResponse:
+        """Where each replica takes direct gRPC (none unless ``server.direct_ingress``)."""
+        self._check_model(request.model)
+        replicas = await self.fleet.direct_addresses() if self.config.server.direct_ingress else []
+        return mpb.ListReplicasResponse(
+            model=self.model.name, replicas=replicas, routing=DIRECT_ROUTING, refresh_s=DIRECT_REFRESH_S
+        )
 
     # -- SessionService ----------------------------------------------------------------
     @unary(spb.Session)

@@ -38,6 +38,18 @@ class _Stubs:
             request_serializer=serve_proxy_pb2.ListApplicationsRequest.SerializeToString,
             response_deserializer=_base.decode_application_names,
         )
+        self.routes: dict[str, _base.DirectRoutes] = {}
+        """By model, with ``direct=True``."""
+        self.replicas: dict[str, tuple[Any, Any]] = {}
+        """By direct address: its channel and SessionService stub."""
+        self._base = base
+
+    def replica(self, address: str) -> Any:
+        """The SessionService stub of a replica's own server (its channel opened on first use)."""
+        if address not in self.replicas:
+            channel = _base.open_aio_channel(self._base, address)
+            self.replicas[address] = (channel, session_pb2_grpc.SessionServiceStub(channel))
+        return self.replicas[address][1]
 
 
 class AsyncClient:
@@ -51,6 +63,12 @@ class AsyncClient:
     jittered. Use as a context manager (``with Client(...)``, ``async with AsyncClient(...)``),
     or call :meth:`close`. The channel opens on the first call (so an ``AsyncClient`` may be
     constructed outside the event loop); after :meth:`close`, a further call opens a new one.
+
+    ``direct=True`` (servers with ``server.direct_ingress``, plaintext inside the cluster):
+    each session's turns (``generate``) go straight to the replica holding its cache, found
+    through ``ListReplicas`` and the router's own hash, skipping Ray's proxy and most of its
+    per-message CPU; everything else, and any turn whose replica is unknown or just failed,
+    goes through the proxy as usual.
     """
 
     def __init__(
@@ -63,6 +81,7 @@ class AsyncClient:
         timeout: float | None = None,
         retry_delay: float = 0.2,
         options: Sequence[tuple[str, Any]] = (),
+        direct: bool = False,
     ) -> None:
         self._base = _base.BaseClient(
             address,
@@ -72,6 +91,7 @@ class AsyncClient:
             timeout=timeout,
             retry_delay=retry_delay,
             options=options,
+            direct=direct,
         )
         self._lazy: _Stubs | None = None
 
@@ -103,6 +123,38 @@ class AsyncClient:
                     raise from_rpc_error(exc) from exc
             await asyncio.sleep(self._base.backoff(attempt))
             attempt += 1
+
+    async def _generate_stub(self, model: str, key: str) -> tuple[Any, str | None]:
+        """Where a session's turn goes: with ``direct``, the stub of the replica owning its key
+        and that replica's address (:class:`_base.DirectRoutes`); else, or where unknown, the
+        proxy's stub and None."""
+        stubs = self._stubs
+        if not self._base.direct:
+            return stubs.sessions, None
+        now = _base.now()
+        routes = stubs.routes.get(model)
+        if routes is None or routes.stale(now):
+            try:
+                response = await stubs.models.ListReplicas(
+                    _base.list_replicas_request(model),
+                    metadata=self._base.metadata(model),
+                    timeout=_base.DEFAULT_UNARY_TIMEOUT_S,
+                )
+            except grpc.RpcError:  # an older server (UNIMPLEMENTED), or none reachable: the proxy for now
+                response = None
+            fresh = _base.DirectRoutes(response, _base.now())
+            if routes is not None:
+                fresh.inherit(routes)
+            stubs.routes[model] = routes = fresh
+        address = routes.address_for(key, _base.now())
+        if address is None:
+            return stubs.sessions, None
+        return stubs.replica(address), address
+
+    def _direct_failed(self, model: str, address: str | None) -> None:
+        routes = self._stubs.routes.get(model)
+        if address is not None and routes is not None:
+            routes.failed(address, _base.now())
 
     # -- public API -------------------------------------------------------------------
 
@@ -144,6 +196,8 @@ class AsyncClient:
         """Close the channel; sessions are not closed on the server (they expire there)."""
         if self._lazy is not None:
             await self._lazy.channel.close()
+            for channel, _ in self._lazy.replicas.values():
+                await channel.close()
             self._lazy = None
 
     async def __aenter__(self) -> AsyncClient:
@@ -272,7 +326,8 @@ class AsyncSession:
         progress = _base.StreamProgress()
         metadata = client._base.metadata(self._state.model, self._state.key)
         while True:
-            call = client._stubs.sessions.Generate(request, metadata=metadata, timeout=deadline.remaining())
+            stub, direct = await client._generate_stub(self._state.model, self._state.key)
+            call = stub.Generate(request, metadata=metadata, timeout=deadline.remaining())
             try:
                 async for pb in call:
                     chunk = _base.chunk_from_proto(pb)
@@ -280,6 +335,8 @@ class AsyncSession:
                     yield chunk
                 return
             except grpc.RpcError as exc:
+                if _base.retriable(exc):
+                    client._direct_failed(self._state.model, direct)
                 if not progress.should_retry(exc):
                     raise progress.error(exc) from exc
             finally:

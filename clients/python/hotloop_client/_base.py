@@ -13,6 +13,7 @@ they call the stubs; the wire contract lives here once so the twins cannot drift
 
 from __future__ import annotations
 
+import hashlib
 import json
 import random
 import re
@@ -467,18 +468,88 @@ def channel_credentials(tls: bool, root_certificates: bytes | None) -> Any:
     return grpc.ssl_channel_credentials(root_certificates=root_certificates)
 
 
-def open_channel(base: BaseClient) -> Any:
-    """A blocking ``grpc.Channel`` for ``base`` (the sync client's transport)."""
+def open_channel(base: BaseClient, address: str | None = None) -> Any:
+    """A blocking ``grpc.Channel`` for ``base`` (the sync client's transport), to its address
+    or to ``address`` (a replica's own server: plaintext, see :class:`DirectRoutes`)."""
+    if address is not None:
+        return grpc.insecure_channel(address, options=base.options)
     if base.credentials is None:
         return grpc.insecure_channel(base.address, options=base.options)
     return grpc.secure_channel(base.address, base.credentials, options=base.options)
 
 
-def open_aio_channel(base: BaseClient) -> Any:
-    """A ``grpc.aio.Channel`` for ``base``, to be made inside the event loop that uses it."""
+def open_aio_channel(base: BaseClient, address: str | None = None) -> Any:
+    """A ``grpc.aio.Channel`` for ``base`` (or ``address``, as :func:`open_channel`), to be
+    made inside the event loop that uses it."""
+    if address is not None:
+        return grpc.aio.insecure_channel(address, options=base.options)
     if base.credentials is None:
         return grpc.aio.insecure_channel(base.address, options=base.options)
     return grpc.aio.secure_channel(base.address, base.credentials, options=base.options)
+
+
+# --------------------------------------------------------------------------- direct ingress
+
+DIRECT_ROUTING = "rendezvous-blake2b-v1"
+"""The one hash of a session's key over replica ranks this client knows (``ListReplicas.routing``)."""
+AVOID_S = 10.0
+"""How long a replica whose direct call failed is left to the proxy's routing."""
+
+
+def now() -> float:
+    """The clock of direct routes' expiry (monotonic)."""
+    return time.monotonic()
+
+
+def owner_rank(key: str, ranks: Iterable[int]) -> int:
+    """The rank owning routing key ``key``: rendezvous hashing, the highest
+    ``blake2b(key "\\0" rank)`` wins, as the server's session-affinity router computes it (a turn
+    sent directly lands where the proxy would send it)."""
+
+    def score(rank: int) -> int:
+        return int.from_bytes(hashlib.blake2b(f"{key}\0{rank}".encode(), digest_size=8).digest(), "big")
+
+    return max(ranks, key=score)
+
+
+class DirectRoutes:
+    """One model's replicas and their own gRPC servers (``ListReplicas``), for ``direct=True``.
+
+    A session's turns go to the replica owning its key, skipping the proxy; where its address is
+    unknown, the list is older than the server's ``refresh_s``, or a direct call to that replica
+    failed lately, they go through the proxy as without ``direct``. A wrong guess is never
+    wrong, only slower: the replica reached fetches the session's cache from its owner.
+    """
+
+    __slots__ = ("_addresses", "_avoid", "_expires")
+
+    def __init__(self, response: model_pb2.ListReplicasResponse | None, now: float) -> None:
+        known = response is not None and response.routing == DIRECT_ROUTING
+        self._addresses = {r.rank: r.address for r in response.replicas} if known and response else {}
+        self._expires = now + (max(response.refresh_s, 1) if known and response else 30.0)
+        self._avoid: dict[str, float] = {}
+
+    def stale(self, now: float) -> bool:
+        return now >= self._expires
+
+    def address_for(self, key: str, now: float) -> str | None:
+        """The owner's direct address, or None for the proxy."""
+        if not self._addresses:
+            return None
+        address = self._addresses[owner_rank(key, self._addresses)]
+        if not address or self._avoid.get(address, 0.0) > now:
+            return None
+        return address
+
+    def inherit(self, older: DirectRoutes) -> None:
+        """Keep the replicas ``older`` was told to avoid (a fresh list may still name them)."""
+        self._avoid.update(older._avoid)
+
+    def failed(self, address: str, now: float) -> None:
+        """A direct call to ``address`` failed as a failover would: the proxy routes its
+        sessions for a while, and the list is asked for again."""
+        self._avoid[address] = now + AVOID_S
+        self._expires = min(self._expires, now)
 
 
 class BaseClient:
@@ -494,9 +565,13 @@ class BaseClient:
         timeout: float | None = None,
         retry_delay: float = 0.2,
         options: Sequence[tuple[str, Any]] = (),
+        direct: bool = False,
     ) -> None:
         if not address:
             raise ValueError("address must be host:port")
+        if direct and (tls or root_certificates is not None):
+            raise ValueError("direct=True talks plaintext to replicas inside the cluster: not with TLS")
+        self.direct = direct
         self.address = address
         self.timeout = timeout
         self.retry_delay = retry_delay
@@ -589,6 +664,10 @@ class SessionState:
 
 def create_session_request(model: str, settings: Settings, key: str) -> session_pb2.CreateSessionRequest:
     return session_pb2.CreateSessionRequest(model=model, settings=settings_to_proto(settings), session_key=key)
+
+
+def list_replicas_request(model: str) -> model_pb2.ListReplicasRequest:
+    return model_pb2.ListReplicasRequest(model=model)
 
 
 def list_models_request() -> model_pb2.ListModelsRequest:

@@ -39,6 +39,18 @@ class _Stubs:
             request_serializer=serve_proxy_pb2.ListApplicationsRequest.SerializeToString,
             response_deserializer=_base.decode_application_names,
         )
+        self.routes: dict[str, _base.DirectRoutes] = {}
+        """By model, with ``direct=True``."""
+        self.replicas: dict[str, tuple[Any, Any]] = {}
+        """By direct address: its channel and SessionService stub."""
+        self._base = base
+
+    def replica(self, address: str) -> Any:
+        """The SessionService stub of a replica's own server (its channel opened on first use)."""
+        if address not in self.replicas:
+            channel = _base.open_channel(self._base, address)
+            self.replicas[address] = (channel, session_pb2_grpc.SessionServiceStub(channel))
+        return self.replicas[address][1]
 
 
 class Client:
@@ -52,6 +64,12 @@ class Client:
     jittered. Use as a context manager (``with Client(...)``, ``async with AsyncClient(...)``),
     or call :meth:`close`. The channel opens on the first call (so an ``AsyncClient`` may be
     constructed outside the event loop); after :meth:`close`, a further call opens a new one.
+
+    ``direct=True`` (servers with ``server.direct_ingress``, plaintext inside the cluster):
+    each session's turns (``generate``) go straight to the replica holding its cache, found
+    through ``ListReplicas`` and the router's own hash, skipping Ray's proxy and most of its
+    per-message CPU; everything else, and any turn whose replica is unknown or just failed,
+    goes through the proxy as usual.
     """
 
     def __init__(
@@ -64,6 +82,7 @@ class Client:
         timeout: float | None = None,
         retry_delay: float = 0.2,
         options: Sequence[tuple[str, Any]] = (),
+        direct: bool = False,
     ) -> None:
         self._base = _base.BaseClient(
             address,
@@ -73,6 +92,7 @@ class Client:
             timeout=timeout,
             retry_delay=retry_delay,
             options=options,
+            direct=direct,
         )
         self._lazy: _Stubs | None = None
 
@@ -104,6 +124,38 @@ class Client:
                     raise from_rpc_error(exc) from exc
             time.sleep(self._base.backoff(attempt))
             attempt += 1
+
+    def _generate_stub(self, model: str, key: str) -> tuple[Any, str | None]:
+        """Where a session's turn goes: with ``direct``, the stub of the replica owning its key
+        and that replica's address (:class:`_base.DirectRoutes`); else, or where unknown, the
+        proxy's stub and None."""
+        stubs = self._stubs
+        if not self._base.direct:
+            return stubs.sessions, None
+        now = _base.now()
+        routes = stubs.routes.get(model)
+        if routes is None or routes.stale(now):
+            try:
+                response = stubs.models.ListReplicas(
+                    _base.list_replicas_request(model),
+                    metadata=self._base.metadata(model),
+                    timeout=_base.DEFAULT_UNARY_TIMEOUT_S,
+                )
+            except grpc.RpcError:  # an older server (UNIMPLEMENTED), or none reachable: the proxy for now
+                response = None
+            fresh = _base.DirectRoutes(response, _base.now())
+            if routes is not None:
+                fresh.inherit(routes)
+            stubs.routes[model] = routes = fresh
+        address = routes.address_for(key, _base.now())
+        if address is None:
+            return stubs.sessions, None
+        return stubs.replica(address), address
+
+    def _direct_failed(self, model: str, address: str | None) -> None:
+        routes = self._stubs.routes.get(model)
+        if address is not None and routes is not None:
+            routes.failed(address, _base.now())
 
     # -- public API -------------------------------------------------------------------
 
@@ -145,6 +197,8 @@ class Client:
         """Close the channel; sessions are not closed on the server (they expire there)."""
         if self._lazy is not None:
             self._lazy.channel.close()
+            for channel, _ in self._lazy.replicas.values():
+                channel.close()
             self._lazy = None
 
     def __enter__(self) -> Client:
@@ -273,7 +327,8 @@ class Session:
         progress = _base.StreamProgress()
         metadata = client._base.metadata(self._state.model, self._state.key)
         while True:
-            call = client._stubs.sessions.Generate(request, metadata=metadata, timeout=deadline.remaining())
+            stub, direct = client._generate_stub(self._state.model, self._state.key)
+            call = stub.Generate(request, metadata=metadata, timeout=deadline.remaining())
             try:
                 for pb in call:
                     chunk = _base.chunk_from_proto(pb)
@@ -281,6 +336,8 @@ class Session:
                     yield chunk
                 return
             except grpc.RpcError as exc:
+                if _base.retriable(exc):
+                    client._direct_failed(self._state.model, direct)
                 if not progress.should_retry(exc):
                     raise progress.error(exc) from exc
             finally:

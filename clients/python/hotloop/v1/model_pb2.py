@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16hotloop/v1/model.proto\x12\nhotloop.v1\"\x13\n\x11ListModelsRequest\";\n\x12ListModelsResponse\x12%\n\x06models\x18\x01 \x03(\x0b\x32\x15.hotloop.v1.ModelInfo\" \n\x0fGetModelRequest\x12\r\n\x05model\x18\x01 \x01(\t\"\x82\x02\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x16\n\x0e\x63ontext_length\x18\x03 \x01(\r\x12\x1c\n\x14train_context_length\x18\x04 \x01(\r\x12\x14\n\x0cquantization\x18\x05 \x01(\t\x12\x19\n\x11has_chat_template\x18\x06 \x01(\x08\x12\x1c\n\x14\x63hat_template_source\x18\x07 \x01(\t\x12\x12\n\nparameters\x18\x08 \x01(\x04\x12\x12\n\nsize_bytes\x18\t \x01(\x04\x12\x12\n\nvocab_size\x18\n \x01(\r\x12\x10\n\x08replicas\x18\x0b \x01(\r\"C\n\x0fTokenizeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x13\n\x0b\x61\x64\x64_special\x18\x03 \x01(\x08\"\"\n\x10TokenizeResponse\x12\x0e\n\x06tokens\x18\x01 \x03(\x05\x32\xe2\x01\n\x0cModelService\x12K\n\nListModels\x12\x1d.hotloop.v1.ListModelsRequest\x1a\x1e.hotloop.v1.ListModelsResponse\x12>\n\x08GetModel\x12\x1b.hotloop.v1.GetModelRequest\x1a\x15.hotloop.v1.ModelInfo\x12\x45\n\x08Tokenize\x12\x1b.hotloop.v1.TokenizeRequest\x1a\x1c.hotloop.v1.TokenizeResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16hotloop/v1/model.proto\x12\nhotloop.v1\"\x13\n\x11ListModelsRequest\";\n\x12ListModelsResponse\x12%\n\x06models\x18\x01 \x03(\x0b\x32\x15.hotloop.v1.ModelInfo\" \n\x0fGetModelRequest\x12\r\n\x05model\x18\x01 \x01(\t\"\x82\x02\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x16\n\x0e\x63ontext_length\x18\x03 \x01(\r\x12\x1c\n\x14train_context_length\x18\x04 \x01(\r\x12\x14\n\x0cquantization\x18\x05 \x01(\t\x12\x19\n\x11has_chat_template\x18\x06 \x01(\x08\x12\x1c\n\x14\x63hat_template_source\x18\x07 \x01(\t\x12\x12\n\nparameters\x18\x08 \x01(\x04\x12\x12\n\nsize_bytes\x18\t \x01(\x04\x12\x12\n\nvocab_size\x18\n \x01(\r\x12\x10\n\x08replicas\x18\x0b \x01(\r\"C\n\x0fTokenizeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x13\n\x0b\x61\x64\x64_special\x18\x03 \x01(\x08\"\"\n\x10TokenizeResponse\x12\x0e\n\x06tokens\x18\x01 \x03(\x05\"$\n\x13ListReplicasRequest\x12\r\n\x05model\x18\x01 \x01(\t\"/\n\x0eReplicaAddress\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\"w\n\x14ListReplicasResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12,\n\x08replicas\x18\x02 \x03(\x0b\x32\x1a.hotloop.v1.ReplicaAddress\x12\x0f\n\x07routing\x18\x03 \x01(\t\x12\x11\n\trefresh_s\x18\x04 \x01(\r2\xb5\x02\n\x0cModelService\x12K\n\nListModels\x12\x1d.hotloop.v1.ListModelsRequest\x1a\x1e.hotloop.v1.ListModelsResponse\x12>\n\x08GetModel\x12\x1b.hotloop.v1.GetModelRequest\x1a\x15.hotloop.v1.ModelInfo\x12\x45\n\x08Tokenize\x12\x1b.hotloop.v1.TokenizeRequest\x1a\x1c.hotloop.v1.TokenizeResponse\x12Q\n\x0cListReplicas\x12\x1f.hotloop.v1.ListReplicasRequest\x1a .hotloop.v1.ListReplicasResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -44,6 +44,12 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOKENIZEREQUEST']._serialized_end=482
   _globals['_TOKENIZERESPONSE']._serialized_start=484
   _globals['_TOKENIZERESPONSE']._serialized_end=518
-  _globals['_MODELSERVICE']._serialized_start=521
-  _globals['_MODELSERVICE']._serialized_end=747
+  _globals['_LISTREPLICASREQUEST']._serialized_start=520
+  _globals['_LISTREPLICASREQUEST']._serialized_end=556
+  _globals['_REPLICAADDRESS']._serialized_start=558
+  _globals['_REPLICAADDRESS']._serialized_end=605
+  _globals['_LISTREPLICASRESPONSE']._serialized_start=607
+  _globals['_LISTREPLICASRESPONSE']._serialized_end=726
+  _globals['_MODELSERVICE']._serialized_start=729
+  _globals['_MODELSERVICE']._serialized_end=1038
 # @@protoc_insertion_point(module_scope)

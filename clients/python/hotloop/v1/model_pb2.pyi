@@ -172,3 +172,81 @@ class TokenizeResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___TokenizeResponse: _TypeAlias = TokenizeResponse  # noqa: Y015
+
+@_typing.final
+class ListReplicasRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MODEL_FIELD_NUMBER: _builtins.int
+    model: _builtins.str
+    def __init__(
+        self,
+        *,
+        model: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["model", b"model"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListReplicasRequest: _TypeAlias = ListReplicasRequest  # noqa: Y015
+
+@_typing.final
+class ReplicaAddress(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RANK_FIELD_NUMBER: _builtins.int
+    ADDRESS_FIELD_NUMBER: _builtins.int
+    rank: _builtins.int
+    """what the session-affinity router hashes on"""
+    address: _builtins.str
+    """host:port of the replica's own gRPC server; empty while unknown"""
+    def __init__(
+        self,
+        *,
+        rank: _builtins.int = ...,
+        address: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "rank", b"rank"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReplicaAddress: _TypeAlias = ReplicaAddress  # noqa: Y015
+
+@_typing.final
+class ListReplicasResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MODEL_FIELD_NUMBER: _builtins.int
+    REPLICAS_FIELD_NUMBER: _builtins.int
+    ROUTING_FIELD_NUMBER: _builtins.int
+    REFRESH_S_FIELD_NUMBER: _builtins.int
+    model: _builtins.str
+    routing: _builtins.str
+    """How a session's routing key (its id up to the first '.') picks its replica among the ranks:
+    "rendezvous-blake2b-v1": the highest blake2b(key + "\\0" + rank, 8 bytes, big-endian) wins.
+    """
+    refresh_s: _builtins.int
+    """ask again after this long (replicas come and go)"""
+    @_builtins.property
+    def replicas(self) -> _containers.RepeatedCompositeFieldContainer[Global___ReplicaAddress]:
+        """one per running replica, ranks 0..N-1"""
+
+    def __init__(
+        self,
+        *,
+        model: _builtins.str = ...,
+        replicas: _abc.Iterable[Global___ReplicaAddress] | None = ...,
+        routing: _builtins.str = ...,
+        refresh_s: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["model", b"model", "refresh_s", b"refresh_s", "replicas", b"replicas", "routing", b"routing"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListReplicasResponse: _TypeAlias = ListReplicasResponse  # noqa: Y015

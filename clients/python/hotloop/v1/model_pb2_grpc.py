@@ -50,6 +50,11 @@ class ModelServiceStub:
                 request_serializer=hotloop_dot_v1_dot_model__pb2.TokenizeRequest.SerializeToString,
                 response_deserializer=hotloop_dot_v1_dot_model__pb2.TokenizeResponse.FromString,
                 _registered_method=True)
+        self.ListReplicas = channel.unary_unary(
+                '/hotloop.v1.ModelService/ListReplicas',
+                request_serializer=hotloop_dot_v1_dot_model__pb2.ListReplicasRequest.SerializeToString,
+                response_deserializer=hotloop_dot_v1_dot_model__pb2.ListReplicasResponse.FromString,
+                _registered_method=True)
 
 
 class ModelServiceServicer:
@@ -73,6 +78,15 @@ class ModelServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListReplicas(self, request, context):
+        """Where each replica of a model takes gRPC itself (server.direct_ingress), so that a client
+        can send a session's turns straight to the replica holding its cache instead of through
+        the proxy; empty where direct ingress is off. The proxy stays the path for everything else.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ModelServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -90,6 +104,11 @@ def add_ModelServiceServicer_to_server(servicer, server):
                     servicer.Tokenize,
                     request_deserializer=hotloop_dot_v1_dot_model__pb2.TokenizeRequest.FromString,
                     response_serializer=hotloop_dot_v1_dot_model__pb2.TokenizeResponse.SerializeToString,
+            ),
+            'ListReplicas': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListReplicas,
+                    request_deserializer=hotloop_dot_v1_dot_model__pb2.ListReplicasRequest.FromString,
+                    response_serializer=hotloop_dot_v1_dot_model__pb2.ListReplicasResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -173,6 +192,33 @@ class ModelService:
             '/hotloop.v1.ModelService/Tokenize',
             hotloop_dot_v1_dot_model__pb2.TokenizeRequest.SerializeToString,
             hotloop_dot_v1_dot_model__pb2.TokenizeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListReplicas(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/hotloop.v1.ModelService/ListReplicas',
+            hotloop_dot_v1_dot_model__pb2.ListReplicasRequest.SerializeToString,
+            hotloop_dot_v1_dot_model__pb2.ListReplicasResponse.FromString,
             options,
             channel_credentials,
             insecure,

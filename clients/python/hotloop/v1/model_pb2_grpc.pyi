@@ -35,6 +35,11 @@ class ModelServiceStub:
     ListModels: _grpc.UnaryUnaryMultiCallable[_model_pb2.ListModelsRequest, _model_pb2.ListModelsResponse]
     GetModel: _grpc.UnaryUnaryMultiCallable[_model_pb2.GetModelRequest, _model_pb2.ModelInfo]
     Tokenize: _grpc.UnaryUnaryMultiCallable[_model_pb2.TokenizeRequest, _model_pb2.TokenizeResponse]
+    ListReplicas: _grpc.UnaryUnaryMultiCallable[_model_pb2.ListReplicasRequest, _model_pb2.ListReplicasResponse]
+    """Where each replica of a model takes gRPC itself (server.direct_ingress), so that a client
+    can send a session's turns straight to the replica holding its cache instead of through
+    the proxy; empty where direct ingress is off. The proxy stays the path for everything else.
+    """
 
 @_typing.type_check_only
 class ModelServiceAsyncStub(ModelServiceStub):
@@ -42,6 +47,11 @@ class ModelServiceAsyncStub(ModelServiceStub):
     ListModels: _aio.UnaryUnaryMultiCallable[_model_pb2.ListModelsRequest, _model_pb2.ListModelsResponse]  # type: ignore[assignment]
     GetModel: _aio.UnaryUnaryMultiCallable[_model_pb2.GetModelRequest, _model_pb2.ModelInfo]  # type: ignore[assignment]
     Tokenize: _aio.UnaryUnaryMultiCallable[_model_pb2.TokenizeRequest, _model_pb2.TokenizeResponse]  # type: ignore[assignment]
+    ListReplicas: _aio.UnaryUnaryMultiCallable[_model_pb2.ListReplicasRequest, _model_pb2.ListReplicasResponse]  # type: ignore[assignment]
+    """Where each replica of a model takes gRPC itself (server.direct_ingress), so that a client
+    can send a session's turns straight to the replica holding its cache instead of through
+    the proxy; empty where direct ingress is off. The proxy stays the path for everything else.
+    """
 
 class ModelServiceServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -64,5 +74,16 @@ class ModelServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _model_pb2.TokenizeRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_model_pb2.TokenizeResponse, _abc.Awaitable[_model_pb2.TokenizeResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def ListReplicas(
+        self,
+        request: _model_pb2.ListReplicasRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_model_pb2.ListReplicasResponse, _abc.Awaitable[_model_pb2.ListReplicasResponse]]:
+        """Where each replica of a model takes gRPC itself (server.direct_ingress), so that a client
+        can send a session's turns straight to the replica holding its cache instead of through
+        the proxy; empty where direct ingress is off. The proxy stays the path for everything else.
+        """
 
 def add_ModelServiceServicer_to_server(servicer: ModelServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -66,6 +66,30 @@ export interface TokenizeResponse {
   tokens: number[];
 }
 
+export interface ListReplicasRequest {
+  model: string;
+}
+
+export interface ReplicaAddress {
+  /** what the session-affinity router hashes on */
+  rank: number;
+  /** host:port of the replica's own gRPC server; empty while unknown */
+  address: string;
+}
+
+export interface ListReplicasResponse {
+  model: string;
+  /** one per running replica, ranks 0..N-1 */
+  replicas: ReplicaAddress[];
+  /**
+   * How a session's routing key (its id up to the first '.') picks its replica among the ranks:
+   * "rendezvous-blake2b-v1": the highest blake2b(key + "\0" + rank, 8 bytes, big-endian) wins.
+   */
+  routing: string;
+  /** ask again after this long (replicas come and go) */
+  refreshS: number;
+}
+
 function createBaseListModelsRequest(): ListModelsRequest {
   return {};
 }
@@ -562,6 +586,219 @@ export const TokenizeResponse: MessageFns<TokenizeResponse> = {
   },
 };
 
+function createBaseListReplicasRequest(): ListReplicasRequest {
+  return { model: "" };
+}
+
+export const ListReplicasRequest: MessageFns<ListReplicasRequest> = {
+  encode(message: ListReplicasRequest, writer: BinaryWriter = new BinaryWriter()): BinaryWriter {
+    if (message.model !== "") {
+      writer.uint32(10).string(message.model);
+    }
+    return writer;
+  },
+
+  decode(input: BinaryReader | Uint8Array, length?: number): ListReplicasRequest {
+    const reader = input instanceof BinaryReader ? input : new BinaryReader(input);
+    const previousRecursionDepth = (reader as any).__tsProtoDecodeDepth ?? 0;
+    if (previousRecursionDepth >= 100) {
+      throw new globalThis.Error("protobuf decode recursion limit exceeded");
+    }
+    (reader as any).__tsProtoDecodeDepth = previousRecursionDepth + 1;
+    try {
+      const end = length === undefined ? reader.len : reader.pos + length;
+      const message = createBaseListReplicasRequest();
+      while (reader.pos < end) {
+        const tag = reader.uint32();
+        switch (tag >>> 3) {
+          case 1: {
+            if (tag !== 10) {
+              break;
+            }
+
+            message.model = reader.string();
+            continue;
+          }
+        }
+        if ((tag & 7) === 4 || tag === 0) {
+          break;
+        }
+        reader.skip(tag & 7);
+      }
+      return message;
+    } finally {
+      (reader as any).__tsProtoDecodeDepth = previousRecursionDepth;
+    }
+  },
+
+  create(base?: DeepPartial<ListReplicasRequest>): ListReplicasRequest {
+    return ListReplicasRequest.fromPartial(base ?? {});
+  },
+  fromPartial(object: DeepPartial<ListReplicasRequest>): ListReplicasRequest {
+    const message = createBaseListReplicasRequest();
+    message.model = object.model ?? "";
+    return message;
+  },
+};
+
+function createBaseReplicaAddress(): ReplicaAddress {
+  return { rank: 0, address: "" };
+}
+
+export const ReplicaAddress: MessageFns<ReplicaAddress> = {
+  encode(message: ReplicaAddress, writer: BinaryWriter = new BinaryWriter()): BinaryWriter {
+    if (message.rank !== 0) {
+      writer.uint32(8).uint32(message.rank);
+    }
+    if (message.address !== "") {
+      writer.uint32(18).string(message.address);
+    }
+    return writer;
+  },
+
+  decode(input: BinaryReader | Uint8Array, length?: number): ReplicaAddress {
+    const reader = input instanceof BinaryReader ? input : new BinaryReader(input);
+    const previousRecursionDepth = (reader as any).__tsProtoDecodeDepth ?? 0;
+    if (previousRecursionDepth >= 100) {
+      throw new globalThis.Error("protobuf decode recursion limit exceeded");
+    }
+    (reader as any).__tsProtoDecodeDepth = previousRecursionDepth + 1;
+    try {
+      const end = length === undefined ? reader.len : reader.pos + length;
+      const message = createBaseReplicaAddress();
+      while (reader.pos < end) {
+        const tag = reader.uint32();
+        switch (tag >>> 3) {
+          case 1: {
+            if (tag !== 8) {
+              break;
+            }
+
+            message.rank = reader.uint32();
+            continue;
+          }
+          case 2: {
+            if (tag !== 18) {
+              break;
+            }
+
+            message.address = reader.string();
+            continue;
+          }
+        }
+        if ((tag & 7) === 4 || tag === 0) {
+          break;
+        }
+        reader.skip(tag & 7);
+      }
+      return message;
+    } finally {
+      (reader as any).__tsProtoDecodeDepth = previousRecursionDepth;
+    }
+  },
+
+  create(base?: DeepPartial<ReplicaAddress>): ReplicaAddress {
+    return ReplicaAddress.fromPartial(base ?? {});
+  },
+  fromPartial(object: DeepPartial<ReplicaAddress>): ReplicaAddress {
+    const message = createBaseReplicaAddress();
+    message.rank = object.rank ?? 0;
+    message.address = object.address ?? "";
+    return message;
+  },
+};
+
+function createBaseListReplicasResponse(): ListReplicasResponse {
+  return { model: "", replicas: [], routing: "", refreshS: 0 };
+}
+
+export const ListReplicasResponse: MessageFns<ListReplicasResponse> = {
+  encode(message: ListReplicasResponse, writer: BinaryWriter = new BinaryWriter()): BinaryWriter {
+    if (message.model !== "") {
+      writer.uint32(10).string(message.model);
+    }
+    for (const v of message.replicas) {
+      ReplicaAddress.encode(v!, writer.uint32(18).fork()).join();
+    }
+    if (message.routing !== "") {
+      writer.uint32(26).string(message.routing);
+    }
+    if (message.refreshS !== 0) {
+      writer.uint32(32).uint32(message.refreshS);
+    }
+    return writer;
+  },
+
+  decode(input: BinaryReader | Uint8Array, length?: number): ListReplicasResponse {
+    const reader = input instanceof BinaryReader ? input : new BinaryReader(input);
+    const previousRecursionDepth = (reader as any).__tsProtoDecodeDepth ?? 0;
+    if (previousRecursionDepth >= 100) {
+      throw new globalThis.Error("protobuf decode recursion limit exceeded");
+    }
+    (reader as any).__tsProtoDecodeDepth = previousRecursionDepth + 1;
+    try {
+      const end = length === undefined ? reader.len : reader.pos + length;
+      const message = createBaseListReplicasResponse();
+      while (reader.pos < end) {
+        const tag = reader.uint32();
+        switch (tag >>> 3) {
+          case 1: {
+            if (tag !== 10) {
+              break;
+            }
+
+            message.model = reader.string();
+            continue;
+          }
+          case 2: {
+            if (tag !== 18) {
+              break;
+            }
+
+            message.replicas.push(ReplicaAddress.decode(reader, reader.uint32()));
+            continue;
+          }
+          case 3: {
+            if (tag !== 26) {
+              break;
+            }
+
+            message.routing = reader.string();
+            continue;
+          }
+          case 4: {
+            if (tag !== 32) {
+              break;
+            }
+
+            message.refreshS = reader.uint32();
+            continue;
+          }
+        }
+        if ((tag & 7) === 4 || tag === 0) {
+          break;
+        }
+        reader.skip(tag & 7);
+      }
+      return message;
+    } finally {
+      (reader as any).__tsProtoDecodeDepth = previousRecursionDepth;
+    }
+  },
+
+  create(base?: DeepPartial<ListReplicasResponse>): ListReplicasResponse {
+    return ListReplicasResponse.fromPartial(base ?? {});
+  },
+  fromPartial(object: DeepPartial<ListReplicasResponse>): ListReplicasResponse {
+    const message = createBaseListReplicasResponse();
+    message.model = object.model ?? "";
+    message.replicas = object.replicas?.map((e) => ReplicaAddress.fromPartial(e)) || [];
+    message.routing = object.routing ?? "";
+    message.refreshS = object.refreshS ?? 0;
+    return message;
+  },
+};
+
 export type ModelServiceService = typeof ModelServiceService;
 export const ModelServiceService = {
   listModels: {
@@ -591,12 +828,33 @@ export const ModelServiceService = {
     responseSerialize: (value: TokenizeResponse): Buffer => Buffer.from(TokenizeResponse.encode(value).finish()),
     responseDeserialize: (value: Buffer): TokenizeResponse => TokenizeResponse.decode(value),
   },
+  /**
+   * Where each replica of a model takes gRPC itself (server.direct_ingress), so that a client
+   * can send a session's turns straight to the replica holding its cache instead of through
+   * the proxy; empty where direct ingress is off. The proxy stays the path for everything else.
+   */
+  listReplicas: {
+    path: "/hotloop.v1.ModelService/ListReplicas" as const,
+    requestStream: false as const,
+    responseStream: false as const,
+    requestSerialize: (value: ListReplicasRequest): Buffer => Buffer.from(ListReplicasRequest.encode(value).finish()),
+    requestDeserialize: (value: Buffer): ListReplicasRequest => ListReplicasRequest.decode(value),
+    responseSerialize: (value: ListReplicasResponse): Buffer =>
+      Buffer.from(ListReplicasResponse.encode(value).finish()),
+    responseDeserialize: (value: Buffer): ListReplicasResponse => ListReplicasResponse.decode(value),
+  },
 } as const;
 
 export interface ModelServiceServer extends UntypedServiceImplementation {
   listModels: handleUnaryCall<ListModelsRequest, ListModelsResponse>;
   getModel: handleUnaryCall<GetModelRequest, ModelInfo>;
   tokenize: handleUnaryCall<TokenizeRequest, TokenizeResponse>;
+  /**
+   * Where each replica of a model takes gRPC itself (server.direct_ingress), so that a client
+   * can send a session's turns straight to the replica holding its cache instead of through
+   * the proxy; empty where direct ingress is off. The proxy stays the path for everything else.
+   */
+  listReplicas: handleUnaryCall<ListReplicasRequest, ListReplicasResponse>;
 }
 
 export interface ModelServiceClient extends Client {
@@ -644,6 +902,26 @@ export interface ModelServiceClient extends Client {
     metadata: Metadata,
     options: Partial<CallOptions>,
     callback: (error: ServiceError | null, response: TokenizeResponse) => void,
+  ): ClientUnaryCall;
+  /**
+   * Where each replica of a model takes gRPC itself (server.direct_ingress), so that a client
+   * can send a session's turns straight to the replica holding its cache instead of through
+   * the proxy; empty where direct ingress is off. The proxy stays the path for everything else.
+   */
+  listReplicas(
+    request: ListReplicasRequest,
+    callback: (error: ServiceError | null, response: ListReplicasResponse) => void,
+  ): ClientUnaryCall;
+  listReplicas(
+    request: ListReplicasRequest,
+    metadata: Metadata,
+    callback: (error: ServiceError | null, response: ListReplicasResponse) => void,
+  ): ClientUnaryCall;
+  listReplicas(
+    request: ListReplicasRequest,
+    metadata: Metadata,
+    options: Partial<CallOptions>,
+    callback: (error: ServiceError | null, response: ListReplicasResponse) => void,
   ): ClientUnaryCall;
 }
 
