@@ -4,13 +4,14 @@
  * - proto <-> SDK-type conversions (one function per direction),
  * - the metadata every call sends (`application` for Ray Serve's proxy, the bearer token),
  * - which failures are retried and how a broken stream is reported (`StreamProgress`),
- * - the routing key a new session is created with,
+ * - the routing key a new session is created with, and the replica owning it (direct ingress),
  * - the Ray Serve proxy's `ListApplications` codecs (generated from serve_proxy.proto).
  */
 
 import { randomBytes } from "node:crypto";
 
 import { Metadata } from "@grpc/grpc-js";
+import { blake2b } from "blakejs";
 
 import { fromRpcError, HotloopError, isStatusError, richDetails, Status, statusOf, TurnInterrupted } from "./errors";
 import * as pbc from "./gen/hotloop/v1/common";
@@ -598,4 +599,78 @@ export function createSessionRequest(model: string, settings: Settings, key: str
 /** Whether `err` is an SDK error (re-exported for the client's `catch` clauses). */
 export function isHotloopError(err: unknown): err is HotloopError {
   return err instanceof HotloopError;
+}
+
+// --------------------------------------------------------------------------- direct ingress
+
+/** The one hash of a session's key over replica ranks this client knows (`ListReplicas.routing`). */
+export const DIRECT_ROUTING = "rendezvous-blake2b-v1";
+/** How long a replica whose direct call failed is left to the proxy's routing (ms). */
+export const AVOID_MS = 10_000;
+
+function rendezvousScore(key: string, rank: number): string {
+  // 8 bytes, big-endian, as fixed-width hex: comparing the strings compares the numbers.
+  return Buffer.from(blake2b(Buffer.from(`${key}\0${rank}`, "utf8"), undefined, 8)).toString("hex");
+}
+
+/**
+ * The rank owning routing key `key`: rendezvous hashing, the highest `blake2b(key "\0" rank)`
+ * (8 bytes) wins, as the server's session-affinity router computes it, so a turn sent
+ * directly lands where the proxy would send it.
+ */
+export function ownerRank(key: string, ranks: Iterable<number>): number {
+  let best: number | undefined;
+  let bestScore = "";
+  for (const rank of ranks) {
+    const score = rendezvousScore(key, rank);
+    if (best === undefined || score > bestScore) {
+      best = rank;
+      bestScore = score;
+    }
+  }
+  if (best === undefined) throw new RangeError("ownerRank: no ranks");
+  return best;
+}
+
+/**
+ * One model's replicas and their own gRPC servers (`ListReplicas`), for `direct: true` (the
+ * twin of the Python SDK's `DirectRoutes`). A session's turns go to the replica owning its
+ * key; where its address is unknown, the list is older than the server's `refreshS`, or a
+ * direct call to that replica failed lately, they go through the proxy. A wrong guess is only
+ * slower: the replica reached fetches the session's cache from its owner.
+ */
+export class DirectRoutes {
+  private readonly addresses = new Map<number, string>();
+  private expires: number;
+  private readonly avoid = new Map<string, number>();
+
+  constructor(response: pbm.ListReplicasResponse | undefined, now: number) {
+    const known = response !== undefined && response.routing === DIRECT_ROUTING;
+    if (known) for (const r of response.replicas) this.addresses.set(r.rank, r.address);
+    this.expires = now + (known ? Math.max(response.refreshS, 1) * 1000 : 30_000);
+  }
+
+  stale(now: number): boolean {
+    return now >= this.expires;
+  }
+
+  /** The owner's direct address, or undefined for the proxy. */
+  addressFor(key: string, now: number): string | undefined {
+    if (this.addresses.size === 0) return undefined;
+    const address = this.addresses.get(ownerRank(key, this.addresses.keys()));
+    if (!address || (this.avoid.get(address) ?? 0) > now) return undefined;
+    return address;
+  }
+
+  /** Keep the replicas `older` was told to avoid (a fresh list may still name them). */
+  inherit(older: DirectRoutes): void {
+    for (const [address, until] of older.avoid) this.avoid.set(address, until);
+  }
+
+  /** A direct call to `address` failed as a failover would: the proxy routes its sessions for
+   * a while, and the list is asked for again. */
+  failed(address: string, now: number): void {
+    this.avoid.set(address, now + AVOID_MS);
+    this.expires = Math.min(this.expires, now);
+  }
 }

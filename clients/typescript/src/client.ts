@@ -7,6 +7,7 @@ import * as grpc from "@grpc/grpc-js";
 
 import * as base from "./base";
 import { Cancelled, errorForStatus, fromRpcError, isStatusError, NotFound, Status } from "./errors";
+import type * as pbm from "./gen/hotloop/v1/model";
 import { ModelServiceService } from "./gen/hotloop/v1/model";
 import type { ListApplicationsRequest } from "./gen/hotloop/v1/serve_proxy";
 import type * as pbs from "./gen/hotloop/v1/session";
@@ -36,6 +37,13 @@ export interface ClientOptions {
   retryDelayMs?: number;
   /** grpc-js channel options (`grpc.max_receive_message_length`, ...). */
   channelOptions?: grpc.ChannelOptions;
+  /**
+   * Servers with `server.direct_ingress` (plaintext inside the cluster): each session's turns
+   * (`generate`) go straight to the replica holding its cache, found through `ListReplicas`
+   * and the router's own hash, skipping Ray's proxy and most of its per-message CPU; all else,
+   * and a turn whose replica is unknown or just failed, goes through the proxy. Not with TLS.
+   */
+  direct?: boolean;
 }
 
 /** Options every call takes. */
@@ -115,12 +123,19 @@ export class Transport {
   readonly retryDelayMs: number;
   private readonly credentials: grpc.ChannelCredentials;
   private lazy: grpc.Client | undefined;
+  /** By model, with `direct`. */
+  private readonly routes = new Map<string, base.DirectRoutes>();
+  /** By direct address: the replica's own server. */
+  private readonly replicas = new Map<string, grpc.Client>();
 
   constructor(
     readonly address: string,
     private readonly options: ClientOptions,
   ) {
     if (!address) throw new TypeError("address must be host:port");
+    if (options.direct && (options.tls || options.rootCertificates !== undefined)) {
+      throw new TypeError("direct: true talks plaintext to replicas inside the cluster: not with TLS");
+    }
     this.credentials = channelCredentials(options);
     this.retryDelayMs = options.retryDelayMs ?? 200;
   }
@@ -138,6 +153,44 @@ export class Transport {
   close(): void {
     this.lazy?.close();
     this.lazy = undefined;
+    for (const replica of this.replicas.values()) replica.close();
+    this.replicas.clear();
+    this.routes.clear();
+  }
+
+  /**
+   * Where a session's turn goes: with `direct`, the replica owning its key and that replica's
+   * address (`base.DirectRoutes`); else, or where unknown, the proxy and undefined.
+   */
+  private async generateTarget(model: string, key: string): Promise<[grpc.Client, string | undefined]> {
+    if (!this.options.direct) return [this.grpc, undefined];
+    let routes = this.routes.get(model);
+    if (routes === undefined || routes.stale(Date.now())) {
+      let response: pbm.ListReplicasResponse | undefined;
+      try {
+        response = await this.unaryOnce(
+          ModelServiceService.listReplicas,
+          { model },
+          model,
+          Date.now() + base.DEFAULT_UNARY_TIMEOUT_MS,
+          undefined,
+          undefined,
+        );
+      } catch {
+        response = undefined; // an older server (UNIMPLEMENTED), or none reachable: the proxy for now
+      }
+      const fresh = new base.DirectRoutes(response, Date.now());
+      if (routes !== undefined) fresh.inherit(routes);
+      this.routes.set(model, (routes = fresh));
+    }
+    const address = routes.addressFor(key, Date.now());
+    if (address === undefined) return [this.grpc, undefined];
+    let replica = this.replicas.get(address);
+    if (replica === undefined) {
+      replica = new grpc.Client(address, grpc.credentials.createInsecure(), this.options.channelOptions ?? {});
+      this.replicas.set(address, replica);
+    }
+    return [replica, address];
   }
 
   metadata(application: string | undefined, sessionKey?: string): grpc.Metadata {
@@ -260,14 +313,16 @@ export class Transport {
     const deadline = this.deadline(options.timeoutMs);
     const method = SessionServiceService.generate;
     const progress = new base.StreamProgress();
+    const key = base.routingKey(request.sessionId);
     for (;;) {
       if (signal?.aborted) throw cancelledBy(signal);
-      const call: grpc.ClientReadableStream<pbs.GenerateChunk> = this.grpc.makeServerStreamRequest(
+      const [target, direct] = await this.generateTarget(application, key);
+      const call: grpc.ClientReadableStream<pbs.GenerateChunk> = target.makeServerStreamRequest(
         method.path,
         method.requestSerialize,
         method.responseDeserialize,
         request,
-        this.metadata(application, base.routingKey(request.sessionId)),
+        this.metadata(application, key),
         { deadline },
       );
       // The status also reaches the loop below; this keeps a late one (after an early
@@ -285,6 +340,7 @@ export class Transport {
         return;
       } catch (err) {
         if (signal?.aborted) throw cancelledBy(signal, err);
+        if (direct !== undefined && base.retriable(err)) this.routes.get(application)?.failed(direct, Date.now());
         if (!progress.shouldRetry(err)) throw progress.error(err);
       } finally {
         signal?.removeEventListener("abort", onAbort);

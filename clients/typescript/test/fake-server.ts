@@ -47,6 +47,8 @@ export class FakeServer {
   generateScripts: GenerateScript[] = [];
   /** Statuses the next unary calls fail with, in order. */
   unaryFailures: { code: grpc.status; details: string }[] = [];
+  /** What ListReplicas answers: direct addresses by rank (empty: direct ingress off). */
+  replicaAddresses: string[] = [];
   /** Generate calls the client cancelled so far. */
   cancellations = 0;
   readonly sessions = new Map<string, pbc.Settings>();
@@ -110,6 +112,11 @@ export class FakeServer {
       tokenize: (call, callback) => {
         this.record("Tokenize", call);
         callback(null, { tokens: [2, 9259] });
+      },
+      listReplicas: (call, callback) => {
+        this.record("ListReplicas", call);
+        const replicas = this.replicaAddresses.map((address, rank) => ({ rank, address }));
+        callback(null, { model: call.request.model, replicas, routing: "rendezvous-blake2b-v1", refreshS: 10 });
       },
     };
     const sessions: pbs.SessionServiceServer = {

@@ -695,3 +695,75 @@ describe("session operations (fork, list, export, import, regenerate) against th
     assert.throws(() => session.regenerate([["user", "hi"]]), /does not end with an assistant reply/);
   });
 });
+
+describe("direct ingress (direct: true)", () => {
+  test("ownerRank hashes a key to the owner the server's router picks", () => {
+    // From hotloop_serve.serve.router.owner_of over 1, 2, 3, 5 and 8 replicas.
+    const vectors: [string, number[]][] = [
+      ["abcdefgh12345678", [0, 1, 1, 1, 1]],
+      ["Zy-_09azAZ000000", [0, 1, 1, 1, 1]],
+      ["sessionkeyXYZ123", [0, 0, 0, 0, 5]],
+      ["k3y_with-dash_42", [0, 1, 1, 1, 7]],
+      ["0000000000000000", [0, 1, 1, 1, 1]],
+      ["hotloopDirect001", [0, 0, 0, 0, 6]],
+    ];
+    for (const [key, owners] of vectors) {
+      const got = [1, 2, 3, 5, 8].map((n) => base.ownerRank(key, Array.from({ length: n }, (_, i) => i)));
+      assert.deepEqual(got, owners, key);
+    }
+  });
+
+  test("routes fall back to the proxy where they do not know, and avoid a replica that failed", () => {
+    const listing = (...addresses: string[]) => ({
+      model: "m",
+      replicas: addresses.map((address, rank) => ({ rank, address })),
+      routing: base.DIRECT_ROUTING,
+      refreshS: 10,
+    });
+    assert.equal(new base.DirectRoutes(undefined, 0).addressFor("abcdefgh12345678", 0), undefined);
+    assert.equal(new base.DirectRoutes(listing(), 0).addressFor("abcdefgh12345678", 0), undefined);
+    assert.equal(new base.DirectRoutes({ ...listing("h:1"), routing: "other" }, 0).addressFor("k", 0), undefined);
+    const routes = new base.DirectRoutes(listing("h:0", "h:1"), 0);
+    assert.equal(routes.addressFor("abcdefgh12345678", 1), "h:1");
+    assert.ok(!routes.stale(1));
+    routes.failed("h:1", 1);
+    assert.ok(routes.stale(1));
+    const fresh = new base.DirectRoutes(listing("h:0", "h:1"), 2);
+    fresh.inherit(routes);
+    assert.equal(fresh.addressFor("abcdefgh12345678", 2), undefined);
+    assert.equal(fresh.addressFor("abcdefgh12345678", 2 + base.AVOID_MS), "h:1");
+  });
+
+  test("a session's turns go to its replica's own server; a replica gone sends them through the proxy", async () => {
+    const proxy = new FakeServer();
+    const replica = new FakeServer();
+    await proxy.start();
+    await replica.start();
+    proxy.replicaAddresses = [replica.address];
+    const client = new Client(proxy.address, { direct: true, retryDelayMs: 1 });
+    try {
+      const session = await client.model("alpha").newSession();
+      const settings = proxy.sessions.get(session.id);
+      assert.ok(settings);
+      replica.sessions.set(session.id, settings);
+      const first = await collect(session.generate([["user", "hi"]]));
+      assert.equal(first.map((c) => c.text).join(""), "Hello world");
+      assert.equal(proxy.of("ListReplicas").length, 1);
+      assert.equal(proxy.of("Generate").length, 0);
+      assert.equal(replica.of("Generate").length, 1);
+      assert.equal(replica.of("Generate")[0]?.metadata["session_id"], session.id.split(".")[0]);
+
+      await replica.stop();
+      const second = await collect(session.generate([["user", "hi again"]]));
+      assert.equal(second.map((c) => c.text).join(""), "Hello world");
+      assert.equal(proxy.of("Generate").length, 1); // the detour, not an error
+    } finally {
+      client.close();
+      await proxy.stop();
+    }
+  });
+
+  test("direct with TLS is refused", () => {
+    assert.throws(() => new Client("h:1", { direct: true, tls: true }), /plaintext/);
+  });
+});
