@@ -102,11 +102,14 @@ class _Health:
 
 def publish(app: str, rank: int, address: str) -> None:
     """Record that ``rank`` of ``app`` takes direct gRPC at ``address`` (overwrites the rank's
-    previous holder's entry)."""
+    previous holder's entry). Never fails the replica: unpublished, it is reached through the proxy."""
     from ray.experimental import internal_kv
 
     value = json.dumps({"address": address}).encode()
-    internal_kv._internal_kv_put(kv_key(app, rank), value, overwrite=True, namespace=KV_NAMESPACE)
+    try:
+        internal_kv._internal_kv_put(kv_key(app, rank), value, overwrite=True, namespace=KV_NAMESPACE)
+    except Exception:  # no list entry only means clients reach this replica through the proxy
+        log.exception("direct ingress: could not publish %s for rank %d", address, rank)
 
 
 def published(app: str, ranks: int) -> list[model_pb2.ReplicaAddress]:
