@@ -38,6 +38,21 @@ RAY_ROUTE_NOT_FOUND = "not found. Ping http"
 """Ray's HTTP proxy's 404 for a route no application serves yet: while a whole server starts,
 its port opens seconds before the model's routes exist (docs/reliability.md, "Faults")."""
 
+RAY_APP_NOT_FOUND = "not found. Ping /ray.serve.RayServeAPIService/ListApplications"
+"""Ray's gRPC proxy's NOT_FOUND for an application not deployed yet: the gRPC twin of the 404
+above. The SDKs retry it like a failover, but a whole-server restart (~20-25 s here) outlasts
+their few seconds of retries, so it can reach the caller: documented as "retry later"."""
+
+
+def grpc_retry_cause(code: str, text: str) -> str | None:
+    """Why a failed gRPC attempt may be retried, or None if it is a violation."""
+    if code in RETRYABLE_GRPC:
+        return code
+    if code == "NOT_FOUND" and RAY_APP_NOT_FOUND in text:
+        return "NOT_FOUND from Ray's proxy (the server is starting)"
+    return None
+
+
 _WORD_TEXT = (
     "river stone lantern harbor meadow copper signal orbit garden ledger winter canyon archive compass "
     "thunder pepper violet engine marble falcon quartz saddle timber glacier beacon velvet cipher island "
@@ -190,7 +205,7 @@ class SdkWorker(threading.Thread):
                 return fn()
             except Exception as exc:
                 code = _grpc_code(exc)
-                if code not in RETRYABLE_GRPC or time.monotonic() > deadline:
+                if grpc_retry_cause(code, str(exc)) is None or time.monotonic() > deadline:
                     self.ctx.count(f"{what} failed: {code}: {str(exc)[:160]}")
                     raise
             time.sleep(0.5)
@@ -247,8 +262,9 @@ class SdkWorker(threading.Thread):
             raise Retry("TurnInterrupted") from exc
         except HotloopError as exc:
             code = exc.code.name if isinstance(exc.code, grpc.StatusCode) else str(exc.code)
-            if code in RETRYABLE_GRPC:
-                raise Retry(code) from exc
+            cause = grpc_retry_cause(code, str(getattr(exc, "details", "")) or str(exc))
+            if cause is not None:
+                raise Retry(cause) from exc
             raise Violation(f"{code}: {exc.details[:200] if hasattr(exc, 'details') else exc}") from exc
         finally:
             gen.close()
