@@ -144,6 +144,7 @@ class StreamRecord:
     tokens: int = 0
     engine_ttft_s: float | None = None
     error: str | None = None
+    done: bool = False
 
 
 Player = Callable[[StreamRecord], Awaitable[None]]
@@ -152,23 +153,67 @@ Opener = Callable[[int], Awaitable[Player]]
 """Prepares stream ``i`` (its session) and returns its player."""
 
 
-async def play(players: Sequence[Player]) -> list[StreamRecord]:
-    """Start every prepared stream at once; every stream's record."""
-    records = [StreamRecord(0.0) for _ in players]
+async def _run(player: Player, rec: StreamRecord) -> None:
+    rec.sent = time.perf_counter()
+    try:
+        await player(rec)
+    except Exception as e:  # recorded: a row with failed streams says so
+        rec.error = f"{type(e).__name__}: {e}"[:200]
+    finally:
+        rec.done = True
 
-    async def run(player: Player, rec: StreamRecord) -> None:
-        rec.sent = time.perf_counter()
-        try:
-            await player(rec)
-        except Exception as e:  # recorded: a row with failed streams says so
-            rec.error = f"{type(e).__name__}: {e}"[:200]
 
-    await asyncio.gather(*(run(p, r) for p, r in zip(players, records, strict=True)))
+async def play(players: Sequence[Player], records: Sequence[StreamRecord]) -> None:
+    """Start every prepared stream at once, each into its record."""
+    await asyncio.gather(*(_run(p, r) for p, r in zip(players, records, strict=True)))
+
+
+PROBES = 20
+"""Probe turns per row (see :func:`probe_under_load`)."""
+PROBE_TOKENS = 2
+"""A probe's reply: its final chunk (which carries the engine's own TTFT) comes a step after its first."""
+
+
+async def probe_under_load(probes: Sequence[Player], load: Sequence[StreamRecord]) -> list[StreamRecord]:
+    """One turn at a time into a stack already carrying ``load``: the TTFT overhead one user sees.
+
+    The row's own TTFT overhead is that of N streams opened in the same millisecond, which on
+    2 cores mostly measures how long the stack takes to accept a burst. What a user opening a
+    conversation on a busy replica waits for beyond the engine is this: a turn sent alone while
+    the N streams are in steady state (every one has its first token), its client-side TTFT
+    minus the engine's (``Timings.time_to_first_token_ms``, from the turn reaching the engine's
+    queue to its first token). Probes stop when the first of the N streams ends.
+    """
+    deadline = time.perf_counter() + 5.0
+    while time.perf_counter() < deadline and not all(r.arrivals or r.done for r in load):
+        await asyncio.sleep(0.005)
+    records = []
+    for player in probes:
+        if any(r.done for r in load):
+            break
+        rec = StreamRecord(0.0)
+        await _run(player, rec)
+        records.append(rec)
+        await asyncio.sleep(0.02)
     return records
 
 
+def _overheads_ms(records: Sequence[StreamRecord]) -> list[float]:
+    """Client-side TTFT minus the engine's, of every stream that has both."""
+    return [
+        (r.arrivals[0] - r.sent - r.engine_ttft_s) * 1e3
+        for r in records
+        if r.error is None and r.arrivals and r.engine_ttft_s is not None
+    ]
+
+
 def summarize_row(
-    records: list[StreamRecord], step_s: float, before: CpuSnapshot, after: CpuSnapshot, wall_s: float
+    records: list[StreamRecord],
+    step_s: float,
+    before: CpuSnapshot,
+    after: CpuSnapshot,
+    wall_s: float,
+    probes: Sequence[StreamRecord] = (),
 ) -> dict[str, Any]:
     ok = [r for r in records if r.error is None and r.arrivals]
     tokens = sum(r.tokens for r in ok)
@@ -180,7 +225,8 @@ def summarize_row(
     gaps = [b - a for r in ok for a, b in zip(r.arrivals, r.arrivals[1:], strict=False)]
     chunks = sum(len(r.arrivals) for r in ok)
     ttft = [r.arrivals[0] - r.sent for r in ok]
-    overhead = [r.arrivals[0] - r.sent - r.engine_ttft_s for r in ok if r.engine_ttft_s is not None]
+    overhead = [ms / 1e3 for ms in _overheads_ms(ok)]
+    probed = _overheads_ms(probes)
     k = 1000 / max(tokens, 1)
     cpu = {part: (after.by_part.get(part, 0.0) - s) * k for part, s in before.by_part.items()}
     for part, s in after.by_part.items():
@@ -209,6 +255,10 @@ def summarize_row(
         "ttft_p50_ms": (percentile(ttft, 50) or 0.0) * 1e3,
         "ttft_overhead_p50_ms": (percentile(overhead, 50) * 1e3) if overhead else None,
         "ttft_overhead_p99_ms": (percentile(overhead, 99) * 1e3) if overhead else None,
+        "probes": len(probed),
+        "probe_errors": sum(1 for r in probes if r.error is not None),
+        "probe_overhead_p50_ms": percentile(probed, 50) if probed else None,
+        "probe_overhead_p99_ms": percentile(probed, 99) if probed else None,
         "cpu_ms_per_token": {p: round(v, 4) for p, v in sorted(cpu.items())},
         "serving_cpu_ms_per_token": serving,
         "threads_ms_per_token": threads,
@@ -217,15 +267,22 @@ def summarize_row(
     }
 
 
-async def measure(n: int, opener: Opener, step_s: float, server_pid: int | None) -> dict[str, Any]:
-    """One row: ``n`` streams prepared (sessions created), then played at once, CPU read around it."""
+async def measure(
+    n: int, opener: Opener, step_s: float, server_pid: int | None, probe_opener: Opener | None = None
+) -> dict[str, Any]:
+    """One row: ``n`` streams prepared (sessions created), then played at once, CPU read around
+    it; with ``probe_opener``, :data:`PROBES` probe turns sent one by one while they run."""
     players = [await opener(i) for i in range(n)]
+    probes = [await probe_opener(n + j) for j in range(PROBES)] if probe_opener else []
+    records = [StreamRecord(0.0) for _ in players]
     before = cpu_snapshot(server_pid)
     t0 = time.perf_counter()
-    records = await play(players)
+    load = asyncio.create_task(play(players, records))
+    probed = await probe_under_load(probes, records) if probes else []
+    await load
     wall = time.perf_counter() - t0
     after = cpu_snapshot(server_pid)
-    return summarize_row(records, step_s, before, after, wall)
+    return summarize_row(records, step_s, before, after, wall, probed)
 
 
 # ----------------------------------------------------------------------------- the clients
@@ -323,6 +380,8 @@ def http_opener(session: Any, base: str, tokens: int, tag: str) -> Opener:
                     if not line.startswith(b"data: {"):
                         continue
                     event = json.loads(line[6:])
+                    if "hotloop" in event:  # the server's own timings, on the reply's last object
+                        rec.engine_ttft_s = event["hotloop"]["timings"]["time_to_first_token_ms"] / 1e3
                     if event.get("usage"):
                         rec.tokens = event["usage"]["completion_tokens"]
                     elif event["choices"] and event["choices"][0]["delta"].get("content"):
@@ -337,15 +396,16 @@ def http_opener(session: Any, base: str, tokens: int, tag: str) -> Opener:
 
 
 def engine_config(step_ms: float, width: int, tokens: int) -> dict[str, Any]:
-    """Engine options for ``width`` streams of ``tokens``: every stream runs at once."""
+    """Engine options for ``width`` streams of ``tokens``: every stream runs at once, and a probe
+    turn beside them (:func:`probe_under_load`)."""
     return {
         "kind": "synthetic",
         "synthetic_step_ms": step_ms,
-        "hot_sessions": width,
+        "hot_sessions": width + 1,
         "max_sessions": 8192,  # every row opens new sessions; they stay until idle_ttl_s
         "context_tokens": width * 1024,
         "session_context_tokens": 1024,
-        "batch_tokens": max(512, width),
+        "batch_tokens": max(512, width + 1),
         "max_queue": 2 * width,
     }
 
@@ -361,7 +421,8 @@ def run_engine_rows(step_ms: float, streams: Sequence[int], tokens: int) -> list
     with open_engine(str(resolve_model_path(EMBEDDED_MODEL)), opts) as engine:
         asyncio.run(measure(4, engine_opener(engine, 8, "warm"), step_ms / 1e3, None))
         for n in streams:
-            row = asyncio.run(measure(n, engine_opener(engine, tokens, f"e{n}"), step_ms / 1e3, None))
+            probe = engine_opener(engine, PROBE_TOKENS, f"p{n}")
+            row = asyncio.run(measure(n, engine_opener(engine, tokens, f"e{n}"), step_ms / 1e3, None, probe))
             rows.append({"client": "engine", "step_ms": step_ms, **row})
             print_row(rows[-1])
     return rows
@@ -397,7 +458,9 @@ async def _stack_rows(
         for name in clients:
             await measure(4, openers[name](8, f"warm-{name}"), step_s, pid)
             for n in streams:
-                row = await measure(n, openers[name](tokens, f"{name}{n}-{time.time_ns()}"), step_s, pid)
+                tag = f"{name}{n}-{time.time_ns()}"
+                probe = openers[name](PROBE_TOKENS, f"probe-{tag}")
+                row = await measure(n, openers[name](tokens, tag), step_s, pid, probe)
                 rows.append({"client": name, "step_ms": step_ms, **row})
                 print_row(rows[-1])
                 on_row(rows[-1])
@@ -450,7 +513,8 @@ def run_stack_rows(
 
 HEADER = (
     "| client | step ms | streams | offered tok/s | delivered tok/s | delivered | gap p50 ms | gap p99 ms "
-    "| p99/step | tok/chunk | TTFT p50 ms | TTFT overhead p50 ms | serving CPU ms/tok | proxy | replica loop "
+    "| p99/step | tok/chunk | TTFT p50 ms | TTFT overhead p50 ms | probe overhead p50 / p99 ms "
+    "| serving CPU ms/tok | proxy | replica loop "
     "| replica other | engine sched | client | errors | other jobs' cores |"
 )
 
@@ -469,6 +533,7 @@ def md_row(r: dict[str, Any]) -> str:
         f"| {r['client']} | {r['step_ms']:g} | {r['streams']} | {r['offered_tok_s']:.0f} | {r['delivered_tok_s']:.0f} "
         f"| {r['delivered_share']:.0%} | {r['gap_p50_ms']:.1f} | {r['gap_p99_ms']:.1f} | {r['gap_p99_steps']:.1f} "
         f"| {r['tokens_per_chunk']:.2f} | {r['ttft_p50_ms']:.1f} | {_f(r['ttft_overhead_p50_ms'], 1)} "
+        f"| {_f(r.get('probe_overhead_p50_ms'), 1)} / {_f(r.get('probe_overhead_p99_ms'), 1)} "
         f"| {r['serving_cpu_ms_per_token']:.3f} | {_f(c.get('proxy'), 3)} | {_f(c.get('replica: event loop'), 3)} "
         f"| {_f(c.get('replica: other threads'), 3)} | {_f(c.get('replica: engine scheduler'), 3)} "
         f"| {_f(c.get('client'), 3)} | {r['errors']} | {r['other_jobs_cores']:.2f} |"
