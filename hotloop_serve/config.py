@@ -187,6 +187,15 @@ class ServerConfig(_Strict):
     cluster, an address clients reach the replica's node at (e.g. the pod IP)."""
     direct_port: Annotated[int, Field(ge=0, le=65535)] = 0
     """0: any free port (several replicas on a node); a fixed port: one replica per node."""
+    direct_max_streams: Annotated[int, Field(ge=1, le=65536)] | None = None
+    """Calls one replica's direct ingress serves at once (Generate streams and unary calls alike;
+    health checks apart); the next is refused with RESOURCE_EXHAUSTED, and the SDKs send that
+    turn through the proxy. Direct calls skip Ray's ``max_ongoing_requests``: without this a
+    client reaching the port could hold any number of streams (and their requests) on a replica.
+    None: the replica's ``max_ongoing_requests`` as Ray applies it (``routing.max_ongoing_requests``,
+    else hot_sessions + max_queue + control and health slots), so a replica takes as many calls
+    directly as through the proxy, the number already sized for it; the engine refuses model
+    work past hot_sessions + max_queue on either path anyway."""
 
 
 class TelemetryConfig(_Strict):

@@ -14,11 +14,12 @@ import os
 import secrets
 from typing import Any
 
-from ray.serve.config import AutoscalingConfig, RequestRouterConfig
+from ray.serve.config import AutoscalingConfig, AutoscalingPolicy, RequestRouterConfig
 from ray.serve.deployment import Application
 
 from hotloop_serve.config import Config, ModelConfig, config_from_dict
 from hotloop_serve.serve.auth import describe_tokens, export_secrets, load_tokens
+from hotloop_serve.serve.autoscaling import POLICY
 from hotloop_serve.serve.deployment import ModelDeployment
 from hotloop_serve.serve.servicer import HEALTH_WATCHES
 
@@ -110,8 +111,9 @@ ROUTING_STATS_PERIOD_S = 1.0
 """How often each replica's rank is polled for the routers (``record_routing_stats``)."""
 
 
-def deployment_options(model: ModelConfig) -> dict[str, Any]:
-    """Ray Serve options for a model's deployment, from its config."""
+def deployment_options(model: ModelConfig, direct: bool = False) -> dict[str, Any]:
+    """Ray Serve options for a model's deployment, from its config; ``direct``
+    (``server.direct_ingress``) makes autoscaling count direct streams (``autoscaling.py``)."""
     max_ongoing = max_ongoing_requests(model)
     actor: dict[str, Any] = {"num_cpus": model.resources.num_cpus, "num_gpus": model.resources.num_gpus}
     if model.resources.memory_bytes:
@@ -136,6 +138,7 @@ def deployment_options(model: ModelConfig) -> dict[str, Any]:
             upscale_delay_s=a.upscale_delay_s,
             downscale_delay_s=a.downscale_delay_s,
             look_back_period_s=a.look_back_period_s,
+            **({"policy": AutoscalingPolicy(policy_function=POLICY)} if direct else {}),
         )
     else:
         opts["num_replicas"] = model.replicas
@@ -150,7 +153,7 @@ def deployment_options(model: ModelConfig) -> dict[str, Any]:
 
 
 def model_app(config: Config, model: ModelConfig, secret: str) -> Application:
-    options = deployment_options(model)
+    options = deployment_options(model, config.server.direct_ingress)
     return ModelDeployment.options(**options).bind(config.model_dump(mode="json"), model.name, secret)
 
 

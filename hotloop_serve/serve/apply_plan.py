@@ -121,7 +121,10 @@ def _roll_reasons(model: str, old: dict[str, Any], new: dict[str, Any]) -> list[
     if old.get("import_path") != new.get("import_path") or (old.get("runtime_env") or {}) != {}:
         reasons.append(f"import_path/runtime_env: {old.get('import_path')} -> {new.get('import_path')}")
     if _policies(old) != _policies(new):
-        how = "to autoscaling" if _policies(new) else "from autoscaling to a fixed count"
+        if bool(_policies(old)) == bool(_policies(new)):  # server.direct_ingress picks the policy
+            how = "to another autoscaling policy"
+        else:
+            how = "to autoscaling" if _policies(new) else "from autoscaling to a fixed count"
         reasons.append(f"switching {how} (Serve hashes the autoscaling policy into the code version)")
     if not reasons:
         reasons = [f"another model's section changed: {d}" for d in diff(old_cfg, new_cfg)][:3]

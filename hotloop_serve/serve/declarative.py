@@ -27,6 +27,7 @@ from typing import Any
 
 from hotloop_serve.config import Config, ModelConfig
 from hotloop_serve.serve.app import BUILDER_IMPORT_PATH, max_ongoing_requests, session_secret
+from hotloop_serve.serve.autoscaling import POLICY
 
 FLEET_FIELDS = ("replicas", "autoscaling", "routing.max_ongoing_requests")
 """The model fields Serve applies in place (they never reach a replica's code version)."""
@@ -42,11 +43,14 @@ def code_config(config: Config) -> dict[str, Any]:
     return doc
 
 
-def fleet_options(model: ModelConfig) -> dict[str, Any]:
+def fleet_options(model: ModelConfig, direct: bool = False) -> dict[str, Any]:
     """The ``deployments:`` entry of a model: what Serve may change without new replicas.
 
     Both ``num_replicas`` and ``autoscaling_config`` are always set (one of them null), so
-    switching between a fixed count and autoscaling is explicit in either direction.
+    switching between a fixed count and autoscaling is explicit in either direction. With
+    ``direct`` (``server.direct_ingress``) autoscaling counts direct streams: its ``policy``
+    names ``autoscaling.direct_aware_policy``, the same path on every apply, so Serve's code
+    version (which hashes it) only changes when direct ingress or autoscaling is switched.
     """
     options: dict[str, Any] = {"name": model.name, "max_ongoing_requests": max_ongoing_requests(model)}
     if model.autoscaling:
@@ -61,6 +65,8 @@ def fleet_options(model: ModelConfig) -> dict[str, Any]:
             "downscale_delay_s": a.downscale_delay_s,
             "look_back_period_s": a.look_back_period_s,
         }
+        if direct:
+            options["autoscaling_config"]["policy"] = {"policy_function": POLICY}
     else:
         options["num_replicas"] = model.replicas
         options["autoscaling_config"] = None
@@ -74,7 +80,7 @@ def application(config: Config, model: ModelConfig, code: dict[str, Any] | None 
         "route_prefix": f"/{model.name}",
         "import_path": BUILDER_IMPORT_PATH,
         "args": {"config": code if code is not None else code_config(config), "model": model.name},
-        "deployments": [fleet_options(model)],
+        "deployments": [fleet_options(model, config.server.direct_ingress)],
     }
 
 

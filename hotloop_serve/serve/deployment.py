@@ -25,6 +25,7 @@ import dataclasses
 import logging
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -32,11 +33,12 @@ from fastapi import Request
 from fastapi.responses import Response
 from ray import serve
 
-from hotloop_serve.config import config_from_dict
+from hotloop_serve.config import ModelConfig, config_from_dict
 from hotloop_serve.engine.persist import BlobKeys
 from hotloop_serve.engine.settings import SamplingSettings
 from hotloop_serve.engine.synthetic import open_engine
 from hotloop_serve.serve.auth import Authenticator, describe_tokens, export_secrets, load_tokens
+from hotloop_serve.serve.autoscaling import DIRECT_ONGOING_METRIC
 from hotloop_serve.serve.direct_ingress import DirectIngress, publish
 from hotloop_serve.serve.fleet import ReplicaFleet
 from hotloop_serve.serve.model_source import resolve_model_path
@@ -60,6 +62,26 @@ def process_facts() -> dict[str, int]:
             elif line.startswith("Threads:"):
                 facts["os_threads"] = int(line.split()[1])
     return facts
+
+
+def direct_limit(configured: int | None, model: ModelConfig) -> Callable[[], int]:
+    """The bound on a replica's direct calls in flight (``server.direct_max_streams``), read at
+    each call: the configured number, else the replica's ``max_ongoing_requests`` as Ray holds
+    it now (declarative deploys keep ``routing.max_ongoing_requests`` out of the replica's
+    config and change it in place), else as this config computes it."""
+    if configured is not None:
+        return lambda: configured
+
+    def ray_s() -> int:
+        ctx = serve.get_replica_context()
+        current = getattr(getattr(ctx, "_deployment_config", None), "max_ongoing_requests", None)
+        if current:
+            return int(current)
+        from hotloop_serve.serve.app import max_ongoing_requests  # app imports this module
+
+        return max_ongoing_requests(model)
+
+    return ray_s
 
 
 def _part(part: str, name: str) -> Any:
@@ -118,7 +140,10 @@ class ModelReplica:
         if cfg.server.direct_ingress:
             # Constructed on Ray's user-code event loop (running: Ray awaits __init__ there),
             # the loop every RPC of the core runs on.
-            self.direct = DirectIngress(self.core, cfg.server.direct_host or cfg.server.host, cfg.server.direct_port)
+            limit = direct_limit(cfg.server.direct_max_streams, mcfg)
+            self.direct = DirectIngress(
+                self.core, cfg.server.direct_host or cfg.server.host, cfg.server.direct_port, limit
+            )
             self._direct_start = asyncio.get_running_loop().create_task(self.direct.start())
             publish(ctx.app_name, rank, self.direct.address)
         log.info(
@@ -208,7 +233,14 @@ class ModelReplica:
             "grammar_refused": probe["refused"],
             "grammar_child_restarts": probe["child_restarts"],
             "import_bytes_pending": self.core.imports.held(),
+            "direct_in_flight": self.direct.in_flight if self.direct is not None else 0,
+            "direct_refused": self.direct.bound.refused if self.direct is not None else 0,
         }
+
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        """Polled by Ray for autoscaled deployments: the direct calls in flight, which Ray's own
+        count of ongoing requests never sees; ``autoscaling.direct_aware_policy`` adds them."""
+        return {DIRECT_ONGOING_METRIC: float(self.direct.in_flight) if self.direct is not None else 0.0}
 
     def record_replica_metadata(self) -> dict[str, Any]:
         """Published to the routers once, at start: the rank is what session affinity hashes on."""

@@ -44,10 +44,10 @@ def direct_app(server: Server) -> Iterator[Server]:
         serve.delete(APP)
 
 
-def list_replicas(address: str) -> model_pb2.ListReplicasResponse:
+def list_replicas(address: str, app: str = APP) -> model_pb2.ListReplicasResponse:
     with grpc.insecure_channel(address) as channel:
         stub = model_pb2_grpc.ModelServiceStub(channel)
-        return stub.ListReplicas(model_pb2.ListReplicasRequest(model=APP), metadata=[("application", APP)], timeout=30)
+        return stub.ListReplicas(model_pb2.ListReplicasRequest(model=app), metadata=[("application", app)], timeout=30)
 
 
 def test_list_replicas_names_each_replica_s_own_server(direct_app: Server) -> None:

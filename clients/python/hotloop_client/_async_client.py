@@ -325,8 +325,12 @@ class AsyncSession:
         deadline = client._base.deadline(timeout)
         progress = _base.StreamProgress()
         metadata = client._base.metadata(self._state.model, self._state.key)
+        proxy = False  # True once this turn's replica refused it directly (full): the proxy's now
         while True:
-            stub, direct = await client._generate_stub(self._state.model, self._state.key)
+            if proxy:
+                stub, direct = client._stubs.sessions, None
+            else:
+                stub, direct = await client._generate_stub(self._state.model, self._state.key)
             call = stub.Generate(request, metadata=metadata, timeout=deadline.remaining())
             try:
                 async for pb in call:
@@ -335,6 +339,9 @@ class AsyncSession:
                     yield chunk
                 return
             except grpc.RpcError as exc:
+                if direct is not None and progress.direct_refused(exc):
+                    proxy = True
+                    continue  # no pause: the proxy has the replica's other slots
                 if _base.retriable(exc):
                     client._direct_failed(self._state.model, direct)
                 if not progress.should_retry(exc):

@@ -210,16 +210,28 @@ class StreamProgress:
     caller gets :class:`TurnInterrupted` with what they already have.
     """
 
-    __slots__ = ("attempts", "parts")
+    __slots__ = ("attempts", "chunks", "parts")
 
     def __init__(self) -> None:
         self.attempts = 1
+        self.chunks = 0
         self.parts: list[str] = []
 
     def delivered(self, chunk: Chunk) -> None:
         """Record a chunk just handed to the caller."""
+        self.chunks += 1
         if chunk.text:
             self.parts.append(chunk.text)
+
+    def direct_refused(self, exc: BaseException) -> bool:
+        """Whether a direct call (``direct=True``) that failed with ``exc`` should be sent again
+        through the proxy, at once and without counting an attempt: RESOURCE_EXHAUSTED before
+        any chunk. A replica's direct ingress refuses calls past its bound
+        (``server.direct_max_streams``, reason ``DIRECT_INGRESS_FULL``) that way: the replica is
+        healthy, only full on that path, so it is not avoided (:meth:`DirectRoutes.failed`);
+        the proxy's router, which counts the replica's slots, places the turn. Any other
+        exhaustion (the engine's queue, a quota) the proxy reports again, as a proxied turn would."""
+        return self.chunks == 0 and status_of(exc)[0] == grpc.StatusCode.RESOURCE_EXHAUSTED
 
     def should_retry(self, exc: BaseException) -> bool:
         """Whether to start another attempt after ``exc`` (and count it)."""

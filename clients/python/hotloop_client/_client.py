@@ -326,8 +326,12 @@ class Session:
         deadline = client._base.deadline(timeout)
         progress = _base.StreamProgress()
         metadata = client._base.metadata(self._state.model, self._state.key)
+        proxy = False  # True once this turn's replica refused it directly (full): the proxy's now
         while True:
-            stub, direct = client._generate_stub(self._state.model, self._state.key)
+            if proxy:
+                stub, direct = client._stubs.sessions, None
+            else:
+                stub, direct = client._generate_stub(self._state.model, self._state.key)
             call = stub.Generate(request, metadata=metadata, timeout=deadline.remaining())
             try:
                 for pb in call:
@@ -336,6 +340,9 @@ class Session:
                     yield chunk
                 return
             except grpc.RpcError as exc:
+                if direct is not None and progress.direct_refused(exc):
+                    proxy = True
+                    continue  # no pause: the proxy has the replica's other slots
                 if _base.retriable(exc):
                     client._direct_failed(self._state.model, direct)
                 if not progress.should_retry(exc):

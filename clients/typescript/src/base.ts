@@ -188,11 +188,25 @@ export function shouldRetryUnary(err: unknown, attempt: number): boolean {
  */
 export class StreamProgress {
   attempts = 1;
+  chunks = 0;
   readonly parts: string[] = [];
 
   /** Record a chunk just handed to the caller. */
   delivered(chunk: Chunk): void {
+    this.chunks += 1;
     if (chunk.text) this.parts.push(chunk.text);
+  }
+
+  /**
+   * Whether a direct call (`direct: true`) that failed with `err` should be sent again through
+   * the proxy, at once and without counting an attempt: RESOURCE_EXHAUSTED before any chunk. A
+   * replica's direct ingress refuses calls past its bound (`server.direct_max_streams`, reason
+   * `DIRECT_INGRESS_FULL`) that way: the replica is healthy, only full on that path, so it is not
+   * avoided (`DirectRoutes.failed`); the proxy's router, which counts the replica's slots, places
+   * the turn. Any other exhaustion (the engine's queue, a quota) the proxy reports again.
+   */
+  directRefused(err: unknown): boolean {
+    return this.chunks === 0 && isStatusError(err) && statusOf(err)[0] === Status.RESOURCE_EXHAUSTED;
   }
 
   /** Whether to start another attempt after `err` (and count it). */

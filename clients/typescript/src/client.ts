@@ -314,9 +314,12 @@ export class Transport {
     const method = SessionServiceService.generate;
     const progress = new base.StreamProgress();
     const key = base.routingKey(request.sessionId);
+    let proxy = false; // true once this turn's replica refused it directly (full): the proxy's now
     for (;;) {
       if (signal?.aborted) throw cancelledBy(signal);
-      const [target, direct] = await this.generateTarget(application, key);
+      const [target, direct]: [grpc.Client, string | undefined] = proxy
+        ? [this.grpc, undefined]
+        : await this.generateTarget(application, key);
       const call: grpc.ClientReadableStream<pbs.GenerateChunk> = target.makeServerStreamRequest(
         method.path,
         method.requestSerialize,
@@ -340,6 +343,10 @@ export class Transport {
         return;
       } catch (err) {
         if (signal?.aborted) throw cancelledBy(signal, err);
+        if (direct !== undefined && progress.directRefused(err)) {
+          proxy = true;
+          continue; // no pause: the proxy has the replica's other slots
+        }
         if (direct !== undefined && base.retriable(err)) this.routes.get(application)?.failed(direct, Date.now());
         if (!progress.shouldRetry(err)) throw progress.error(err);
       } finally {

@@ -19,7 +19,8 @@ export interface Recorded {
 /** What one Generate attempt does: send these texts, then end (or fail with a status). */
 export interface GenerateScript {
   texts?: string[];
-  fail?: { code: grpc.status; details: string };
+  /** The status the attempt ends with; `metadata` carries trailers (the rich error details). */
+  fail?: { code: grpc.status; details: string; metadata?: grpc.Metadata };
   /** Stay open after the texts until the client cancels. */
   hang?: boolean;
 }

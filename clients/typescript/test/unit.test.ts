@@ -763,6 +763,66 @@ describe("direct ingress (direct: true)", () => {
     }
   });
 
+  test("a replica whose direct ingress is full sends that turn through the proxy, and is not avoided", async () => {
+    const proxy = new FakeServer();
+    const replica = new FakeServer();
+    await proxy.start();
+    await replica.start();
+    proxy.replicaAddresses = [replica.address];
+    const client = new Client(proxy.address, { direct: true, retryDelayMs: 1 });
+    try {
+      const session = await client.model("alpha").newSession();
+      const settings = proxy.sessions.get(session.id);
+      assert.ok(settings);
+      replica.sessions.set(session.id, settings);
+      // What the server's direct ingress answers past server.direct_max_streams.
+      const details = "this replica's direct ingress is serving its limit of 2 calls at once";
+      const status = RpcStatus.encode({
+        code: Status.RESOURCE_EXHAUSTED,
+        message: details,
+        details: [
+          {
+            typeUrl: "type.googleapis.com/google.rpc.ErrorInfo",
+            value: Buffer.from(ErrorInfo.encode({ reason: "DIRECT_INGRESS_FULL", domain: "hotloop-serve", metadata: {} }).finish()),
+          },
+          {
+            typeUrl: "type.googleapis.com/google.rpc.RetryInfo",
+            value: Buffer.from(RetryInfo.encode({ retryDelay: { seconds: 1n, nanos: 0 } }).finish()),
+          },
+        ],
+      }).finish();
+      const metadata = new grpc.Metadata();
+      metadata.set(errors.DETAILS_KEY, Buffer.from(status));
+      replica.generateScripts.push({ fail: { code: grpc.status.RESOURCE_EXHAUSTED, details, metadata } });
+
+      const full = await collect(session.generate([["user", "hi"]]));
+      assert.equal(full.map((c) => c.text).join(""), "Hello world");
+      assert.equal(replica.of("Generate").length, 1); // refused there...
+      assert.equal(proxy.of("Generate").length, 1); // ...and answered through the proxy at once
+      assert.equal(proxy.of("ListReplicas").length, 1); // the list was not distrusted
+
+      const next = await collect(session.generate([["user", "hi again"]]));
+      assert.equal(next.map((c) => c.text).join(""), "Hello world");
+      assert.equal(replica.of("Generate").length, 2); // healthy, only full: tried directly again
+      assert.equal(proxy.of("Generate").length, 1);
+    } finally {
+      client.close();
+      await replica.stop();
+      await proxy.stop();
+    }
+  });
+
+  test("only a refusal before any chunk goes to the proxy", () => {
+    const full = Object.assign(new Error("full"), { code: Status.RESOURCE_EXHAUSTED, details: "full" });
+    const progress = new base.StreamProgress();
+    assert.ok(progress.directRefused(full));
+    assert.ok(!progress.directRefused(Object.assign(new Error("x"), { code: Status.UNAVAILABLE, details: "x" })));
+    assert.ok(!progress.directRefused(new Error("not a status")));
+    progress.delivered({ text: "", logprobs: [], toolCalls: [] } as unknown as Chunk); // e.g. a tool call's first delta
+    assert.ok(!progress.directRefused(full)); // a chunk was delivered: never re-sent silently
+    assert.equal(progress.attempts, 1);
+  });
+
   test("direct with TLS is refused", () => {
     assert.throws(() => new Client("h:1", { direct: true, tls: true }), /plaintext/);
   });
