@@ -7,11 +7,13 @@ port and stopped at the end.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import pytest
 from conftest import free_port
@@ -102,3 +104,30 @@ def server() -> Iterator[Server]:
 def client(server: Server) -> Iterator[Client]:
     with Client(server.address) as c:
         yield c
+
+
+@contextlib.contextmanager
+def synthetic_app(
+    server: Server,
+    name: str,
+    engine: dict[str, Any],
+    model: dict[str, Any],
+    server_options: dict[str, Any] | None = None,
+) -> Iterator[Server]:
+    """A synthetic-engine application ``name`` on the shared server, deployed for the block
+    (``model``: the model entry's other fields, ``server_options``: ``server.*`` overrides)."""
+    from ray import serve
+
+    from hotloop_serve.serve.app import model_app
+
+    doc = server.config.model_dump(mode="json")
+    doc["server"].update(server_options or {})
+    doc["models"] = [{"name": name, "engine": {"kind": "synthetic", **engine}, **model}]
+    config = config_from_dict(doc)
+    app = model_app(config, config.models[0], os.environ["HOTLOOP_SESSION_SECRET"])
+    serve.run(app, name=name, route_prefix=f"/{name}")
+    try:
+        yield Server(server.address, config)
+    finally:
+        if serve.status().applications.get(name) is not None:
+            serve.delete(name)

@@ -9,7 +9,6 @@ Its own application (and module, so it is not running beside ``test_direct_ingre
 from __future__ import annotations
 
 import asyncio
-import os
 from collections.abc import Iterator
 
 import grpc
@@ -18,13 +17,10 @@ import pytest
 from hotloop.v1 import common_pb2, session_pb2, session_pb2_grpc
 from hotloop_client import AsyncClient, Message, Role, Settings, _base
 from hotloop_client._errors import rich_details
-from ray import serve
 
-from hotloop_serve.config import config_from_dict
 from hotloop_serve.serve import direct_ingress
-from hotloop_serve.serve.app import model_app
 
-from .conftest import Server
+from .conftest import Server, synthetic_app
 from .test_direct_ingress import list_replicas
 
 pytestmark = pytest.mark.integration
@@ -37,18 +33,10 @@ TOKENS = 12
 
 @pytest.fixture(scope="module")
 def bound_app(server: Server) -> Iterator[Server]:
-    doc = server.config.model_dump(mode="json")
-    doc["server"]["direct_ingress"] = True
-    doc["server"]["direct_max_streams"] = LIMIT
-    engine = {"kind": "synthetic", "synthetic_step_ms": 20, "hot_sessions": 8, "context_tokens": 32768,
-              "session_context_tokens": 4096}  # fmt: skip
-    doc["models"] = [{"name": APP, "engine": engine, "replicas": 2, "resources": {"num_cpus": 0.25}}]
-    config = config_from_dict(doc)
-    app = model_app(config, config.models[0], os.environ["HOTLOOP_SESSION_SECRET"])
-    serve.run(app, name=APP, route_prefix=f"/{APP}")
-    yield Server(server.address, config)
-    if serve.status().applications.get(APP) is not None:
-        serve.delete(APP)
+    engine = {"synthetic_step_ms": 20, "hot_sessions": 8, "context_tokens": 32768, "session_context_tokens": 4096}
+    model = {"replicas": 2, "resources": {"num_cpus": 0.25}}
+    with synthetic_app(server, APP, engine, model, {"direct_ingress": True, "direct_max_streams": LIMIT}) as app:
+        yield app
 
 
 def test_past_the_bound_a_raw_stream_is_refused_and_the_sdk_s_turn_goes_through_the_proxy(bound_app: Server) -> None:

@@ -8,7 +8,6 @@ direct address does not answer costs nothing but a detour through the proxy.
 
 from __future__ import annotations
 
-import os
 import socket
 from collections.abc import Iterator
 
@@ -16,13 +15,10 @@ import grpc
 import pytest
 from hotloop.v1 import model_pb2, model_pb2_grpc
 from hotloop_client import Chunk, Client, Message, Role, Settings, _base
-from ray import serve
 
-from hotloop_serve.config import config_from_dict
-from hotloop_serve.serve.app import model_app
 from hotloop_serve.serve.direct_ingress import ROUTING
 
-from .conftest import Server
+from .conftest import Server, synthetic_app
 
 pytestmark = pytest.mark.integration
 APP = "direct-ingress"
@@ -31,17 +27,10 @@ TOKENS = 24
 
 @pytest.fixture(scope="module")
 def direct_app(server: Server) -> Iterator[Server]:
-    doc = server.config.model_dump(mode="json")
-    doc["server"]["direct_ingress"] = True
-    engine = {"kind": "synthetic", "synthetic_step_ms": 5, "hot_sessions": 8, "context_tokens": 8192,
-              "session_context_tokens": 1024}  # fmt: skip
-    doc["models"] = [{"name": APP, "engine": engine, "replicas": 2, "resources": {"num_cpus": 0.25}}]
-    config = config_from_dict(doc)
-    app = model_app(config, config.models[0], os.environ["HOTLOOP_SESSION_SECRET"])
-    serve.run(app, name=APP, route_prefix=f"/{APP}")
-    yield Server(server.address, config)
-    if serve.status().applications.get(APP) is not None:
-        serve.delete(APP)
+    engine = {"synthetic_step_ms": 5, "hot_sessions": 8, "context_tokens": 8192, "session_context_tokens": 1024}
+    model = {"replicas": 2, "resources": {"num_cpus": 0.25}}
+    with synthetic_app(server, APP, engine, model, {"direct_ingress": True}) as app:
+        yield app
 
 
 def list_replicas(address: str, app: str = APP) -> model_pb2.ListReplicasResponse:

@@ -8,19 +8,14 @@ Its own application on the shared server, many streams at once: every stream get
 from __future__ import annotations
 
 import json
-import os
 import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from hotloop_client import Client, Message, Role, Settings
-from ray import serve
 
-from hotloop_serve.config import config_from_dict
-from hotloop_serve.serve.app import model_app
-
-from .conftest import Server
+from .conftest import Server, synthetic_app
 
 pytestmark = pytest.mark.integration
 APP = "synthetic-load"
@@ -29,23 +24,16 @@ TOKENS = 40
 
 
 @pytest.fixture(scope="module")
-def synthetic_app(server: Server) -> Iterator[Server]:
-    doc = server.config.model_dump(mode="json")
-    engine = {"kind": "synthetic", "synthetic_step_ms": 10, "hot_sessions": 32, "context_tokens": 32768,
-              "session_context_tokens": 1024}  # fmt: skip
-    doc["models"] = [{"name": APP, "engine": engine, "resources": {"num_cpus": 0.5}}]
-    config = config_from_dict(doc)
-    app = model_app(config, config.models[0], os.environ["HOTLOOP_SESSION_SECRET"])
-    serve.run(app, name=APP, route_prefix=f"/{APP}")
-    yield Server(server.address, config)
-    if serve.status().applications.get(APP) is not None:
-        serve.delete(APP)
+def synthetic_load(server: Server) -> Iterator[Server]:
+    engine = {"synthetic_step_ms": 10, "hot_sessions": 32, "context_tokens": 32768, "session_context_tokens": 1024}
+    with synthetic_app(server, APP, engine, {"resources": {"num_cpus": 0.5}}) as app:
+        yield app
 
 
-def test_many_streams_get_every_token(synthetic_app: Server) -> None:
+def test_many_streams_get_every_token(synthetic_load: Server) -> None:
     def one(i: int) -> tuple[int, int, str]:
         settings = Settings(temperature=0, sample_len=TOKENS)
-        with Client(synthetic_app.address) as c, c.model(APP).new_session(settings=settings) as s:
+        with Client(synthetic_load.address) as c, c.model(APP).new_session(settings=settings) as s:
             chunks = list(s.generate([Message(Role.USER, f"stream {i}")]))
         final = chunks[-1]
         assert final.usage is not None and final.finish_reason is not None
@@ -58,7 +46,7 @@ def test_many_streams_get_every_token(synthetic_app: Server) -> None:
     assert all("lorem ipsum" in text for _, _, text in results)
 
 
-def test_openai_http_streams_the_synthetic_reply(synthetic_app: Server) -> None:
+def test_openai_http_streams_the_synthetic_reply(synthetic_load: Server) -> None:
     body = {
         "model": APP,
         "messages": [{"role": "user", "content": "hello"}],
@@ -66,7 +54,7 @@ def test_openai_http_streams_the_synthetic_reply(synthetic_app: Server) -> None:
         "stream": True,
         "stream_options": {"include_usage": True},
     }
-    port = synthetic_app.config.server.http_port
+    port = synthetic_load.config.server.http_port
     req = urllib.request.Request(
         f"http://127.0.0.1:{port}/{APP}/v1/chat/completions",
         data=json.dumps(body).encode(),
