@@ -696,6 +696,21 @@ describe("session operations (fork, list, export, import, regenerate) against th
   });
 });
 
+/** A proxy and one replica (fake servers), a `direct: true` client of the proxy, and a session both know. */
+async function directPair() {
+  const proxy = new FakeServer();
+  const replica = new FakeServer();
+  await proxy.start();
+  await replica.start();
+  proxy.replicaAddresses = [replica.address];
+  const client = new Client(proxy.address, { direct: true, retryDelayMs: 1 });
+  const session = await client.model("alpha").newSession();
+  const settings = proxy.sessions.get(session.id);
+  assert.ok(settings);
+  replica.sessions.set(session.id, settings);
+  return { proxy, replica, client, session };
+}
+
 describe("direct ingress (direct: true)", () => {
   test("ownerRank hashes a key to the owner the server's router picks", () => {
     // From hotloop_serve.serve.router.owner_of over 1, 2, 3, 5 and 8 replicas.
@@ -735,17 +750,8 @@ describe("direct ingress (direct: true)", () => {
   });
 
   test("a session's turns go to its replica's own server; a replica gone sends them through the proxy", async () => {
-    const proxy = new FakeServer();
-    const replica = new FakeServer();
-    await proxy.start();
-    await replica.start();
-    proxy.replicaAddresses = [replica.address];
-    const client = new Client(proxy.address, { direct: true, retryDelayMs: 1 });
+    const { proxy, replica, client, session } = await directPair();
     try {
-      const session = await client.model("alpha").newSession();
-      const settings = proxy.sessions.get(session.id);
-      assert.ok(settings);
-      replica.sessions.set(session.id, settings);
       const first = await collect(session.generate([["user", "hi"]]));
       assert.equal(first.map((c) => c.text).join(""), "Hello world");
       assert.equal(proxy.of("ListReplicas").length, 1);
@@ -764,17 +770,8 @@ describe("direct ingress (direct: true)", () => {
   });
 
   test("a replica whose direct ingress is full sends that turn through the proxy, and is not avoided", async () => {
-    const proxy = new FakeServer();
-    const replica = new FakeServer();
-    await proxy.start();
-    await replica.start();
-    proxy.replicaAddresses = [replica.address];
-    const client = new Client(proxy.address, { direct: true, retryDelayMs: 1 });
+    const { proxy, replica, client, session } = await directPair();
     try {
-      const session = await client.model("alpha").newSession();
-      const settings = proxy.sessions.get(session.id);
-      assert.ok(settings);
-      replica.sessions.set(session.id, settings);
       // What the server's direct ingress answers past server.direct_max_streams.
       const details = "this replica's direct ingress is serving its limit of 2 calls at once";
       const status = RpcStatus.encode({
